@@ -1,0 +1,26 @@
+"""pagedllm: an LLM inference and serving engine built on PagedAttention and continuous batching."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Imported lazily, so that the memory-policy modules (scheduler, block manager) load without torch.
+_EXPORTS = {
+    "LLM": "pagedllm.llm",
+    "LLMEngine": "pagedllm.engine",
+    "EngineConfig": "pagedllm.config",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

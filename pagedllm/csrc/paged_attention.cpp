@@ -1,0 +1,608 @@
+// Paged attention on the CPU: a flat batch of queries (decodes and prompt chunks mixed) attends over a
+// paged KV cache laid out [num_blocks, block_size, num_kv_heads, head_dim].
+//
+// Two kernels, both with online softmax and fp32 accumulation, both reading keys in chunks of consecutive
+// positions that may span blocks (so any block size, down to 1, costs the same):
+//  - attend_rows: decodes and very short chunks. Memory bound: keys are streamed token-major, each K/V row
+//    is read once for all query heads of its kv group, scores are dot products.
+//  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
+//    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
+//    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
+// Vectors are GCC vector extensions (16 floats); with -march=native they compile to AVX-512 where present
+// and to narrower registers elsewhere. Work items go to threads dynamically, largest first.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
+constexpr int64_t kTileChunk = 64;  // keys per softmax step in attend_tile
+constexpr int64_t kTileRows = 64;   // target query rows (queries x heads of a group) per tile
+constexpr int kTB = 4;              // keys per QK micro-kernel step
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+inline v16 vload(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v16 vset(float x) { return v16{} + x; }
+inline vi16 viset(int32_t x) { return vi16{} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float hsum(v16 v) {
+  v += __builtin_shuffle(v, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+inline float hmax(v16 v) {
+  v = vmax(v, __builtin_shuffle(v, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = vmax(v, __builtin_shuffle(v, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  v = vmax(v, __builtin_shuffle(v, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  v = vmax(v, __builtin_shuffle(v, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return v[0];
+}
+
+// 2^x for x <= 0 (scores minus their running max, in log2 units), relative error ~1e-7.
+// Round-to-nearest range reduction and a degree-7 polynomial; inputs below -125 give ~2^-125.
+inline v16 vexp2(v16 x) {
+  const v16 lo = vset(-125.0f);
+  x = x < lo ? lo : x;
+  const v16 magic = vset(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const v16 n = (x + magic) - magic;
+  const v16 f = x - n;  // in [-0.5, 0.5]
+  v16 p = vset(1.525273380405984e-05f);
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * (v16)e;
+}
+
+// Rows of head_dim floats (head_dim % 16 == 0), from the cache's element type.
+inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_to_f32(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; i += 16) {
+    vh16 h;
+    std::memcpy(&h, u + i, sizeof(h));
+    const vi16 w = __builtin_convertvector(h, vi16) << 16;
+    vstore(dst + i, (v16)w);
+  }
+}
+
+// One call's inputs, shared read-only by all tasks.
+template <typename kv_t>
+struct Problem {
+  const void* q;
+  bool half_q;  // q and out are bfloat16 (else float32)
+  int64_t q_stride0, q_stride1;
+  void* out;
+  const kv_t* k;
+  const kv_t* v;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  int64_t H, KVH, G, D, BS, MB;
+  float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
+};
+
+// Queries [q_begin, q_end) of one sequence against kv heads [kv_begin, kv_end).
+struct WorkItem {
+  int32_t seq, q_begin, q_end, kv_begin, kv_end;
+  bool tiled;
+  double cost;
+};
+
+// Per-thread buffers, grown on demand and reused across work items.
+struct Scratch {
+  std::vector<float> buf;
+  std::vector<const float*> krow, vrow;
+  float* take(size_t n, size_t& off) {
+    float* p = buf.data() + off;
+    off += (n + 15) / 16 * 16;
+    return p;
+  }
+};
+
+template <typename kv_t>
+inline float q_at(const Problem<kv_t>& P, int64_t tok, int64_t head, int64_t d) {
+  const int64_t i = tok * P.q_stride0 + head * P.q_stride1 + d;
+  return P.half_q ? static_cast<float>(static_cast<const at::BFloat16*>(P.q)[i])
+                  : static_cast<const float*>(P.q)[i];
+}
+
+template <typename kv_t>
+inline void store_out(const Problem<kv_t>& P, int64_t tok, int64_t head, const float* src, float mul) {
+  const int64_t base = (tok * P.H + head) * P.D;
+  if (P.half_q) {
+    at::BFloat16* o = static_cast<at::BFloat16*>(P.out) + base;
+    for (int64_t d = 0; d < P.D; ++d) o[d] = at::BFloat16(src[d] * mul);
+  } else {
+    float* o = static_cast<float*>(P.out) + base;
+    for (int64_t d = 0; d < P.D; ++d) o[d] = src[d] * mul;
+  }
+}
+
+// Element offsets of the K/V rows (kv head 0) of key positions c0 .. c0+cn-1 of sequence s.
+template <typename kv_t>
+inline void chunk_offsets(const Problem<kv_t>& P, int64_t s, int64_t c0, int64_t cn, int64_t* base) {
+  const int32_t* bt = P.block_tables + s * P.MB;
+  const int64_t row = P.KVH * P.D;
+  int64_t b = c0 / P.BS, o = c0 % P.BS;
+  for (int64_t t = 0; t < cn; ++t) {
+    base[t] = (static_cast<int64_t>(bt[b]) * P.BS + o) * row;
+    if (++o == P.BS) o = 0, ++b;
+  }
+}
+
+// Points krow/vrow[t] at the fp32 K/V rows of kv head g for the chunk's keys, converting into kbuf/vbuf
+// when the cache is not fp32.
+template <typename kv_t>
+inline void gather_rows(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t g, float* kbuf,
+                        float* vbuf, const float** krow, const float** vrow) {
+  for (int64_t t = 0; t < cn; ++t) {
+    const int64_t off = base[t] + g * P.D;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      krow[t] = P.k + off;
+      vrow[t] = P.v + off;
+    } else {
+      row_to_f32(P.k + off, kbuf + t * P.D, P.D);
+      row_to_f32(P.v + off, vbuf + t * P.D, P.D);
+      krow[t] = kbuf + t * P.D;
+      vrow[t] = vbuf + t * P.D;
+    }
+  }
+}
+
+// Prefetches `bytes` starting at p into L2 (the rows of a token that the next pass will read).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+// O[rb][d0..d0+16W) = O * alpha[rb] + sum_t P[t * ts + rb * rs] * V[t][d0..) for RB rows rb (row stride D).
+template <int RB, int W>
+inline void pv_micro(float* O, int64_t D, const float* alpha, const float* P, int64_t ts, int64_t rs,
+                     const float* const* vrow, int64_t d0, int64_t cn) {
+  v16 acc[RB][W];
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = vload(O + r * D + 16 * w) * alpha[r];
+  for (int64_t t = 0; t < cn; ++t) {
+    v16 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = vload(vrow[t] + d0 + 16 * w);
+    for (int r = 0; r < RB; ++r) {
+      const float pt = P[t * ts + r * rs];
+      for (int w = 0; w < W; ++w) acc[r][w] += pt * vv[w];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < W; ++w) vstore(O + r * D + 16 * w, acc[r][w]);
+}
+
+// pv_micro over `rows` rows (any count) and the whole head_dim.
+inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int64_t ts, int64_t rs,
+                    const float* const* vrow, int64_t cn, int64_t rows) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const int64_t rb = std::min<int64_t>(4, rows - r);
+    float* o = O + r * D;
+    const float* a = alpha + r;
+    const float* p = P + r * rs;
+    for (int64_t d0 = 0; d0 < D;) {
+      if (D - d0 >= 64) {
+        switch (rb) {
+          case 4: pv_micro<4, 4>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          case 3: pv_micro<3, 4>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          case 2: pv_micro<2, 4>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          default: pv_micro<1, 4>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+        }
+        d0 += 64;
+      } else {
+        switch (rb) {
+          case 4: pv_micro<4, 1>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          case 3: pv_micro<3, 1>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          case 2: pv_micro<2, 1>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+          default: pv_micro<1, 1>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
+        }
+        d0 += 16;
+      }
+    }
+  }
+}
+
+// Decodes and short chunks: rows = (query, head) pairs, scores as dot products over head_dim. Keys and
+// values are read token-major (a token's rows for all kv heads of the item are adjacent in the cache);
+// the next chunk's keys and this chunk's values are prefetched while the scores are computed.
+template <typename kv_t>
+void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
+  const int64_t D = P.D, G = P.G, s = w.seq;
+  const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
+  const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
+  const int64_t R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin, NR = R * G * ng, RG = R * G;
+  const int64_t first_pos = L - n + w.q_begin, last_pos = L - n + w.q_end - 1;
+  const int64_t span = ng * D;  // elements of one token's rows for this item's kv heads
+  constexpr int64_t C = kRowsChunk;
+
+  size_t off = 0;
+  float* q = sc.take(NR * D, off);
+  float* acc = sc.take(NR * D, off);
+  float* m = sc.take(NR, off);
+  float* l = sc.take(NR, off);
+  float* alpha = sc.take(NR, off);
+  float* S = sc.take(NR * C, off);  // S[row][t]: scores, then probabilities
+  float* kbuf = sc.take(span, off);
+  float* vbuf = sc.take(C * span, off);
+  int64_t base_buf[2][C];
+  const float** vrow = sc.vrow.data();
+
+  // row = (gi * R + ii) * G + j  <->  query tok0 + ii, head (kv_begin + gi) * G + j
+  for (int64_t gi = 0; gi < ng; ++gi)
+    for (int64_t ii = 0; ii < R; ++ii)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
+        for (int64_t d = 0; d < D; ++d) q[row * D + d] = q_at(P, tok0 + ii, head, d) * P.scale_log2;
+      }
+  std::fill(acc, acc + NR * D, 0.0f);
+  std::fill(m, m + NR, kNegInf);
+  std::fill(l, l + NR, 0.0f);
+  const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t head_off = w.kv_begin * D;
+
+  chunk_offsets(P, s, 0, std::min(C, last_pos + 1), base_buf[0]);
+  for (int64_t c0 = 0, ci = 0; c0 <= last_pos; c0 += C, ci ^= 1) {
+    const int64_t cn = std::min(C, last_pos + 1 - c0);
+    const int64_t* base = base_buf[ci];
+    const int64_t next_cn = std::max<int64_t>(0, std::min(C, last_pos + 1 - c0 - C));
+    if (next_cn > 0) chunk_offsets(P, s, c0 + C, next_cn, base_buf[ci ^ 1]);
+
+    // Scores, token-major. Rows whose query precedes key t get -inf.
+    for (int64_t t = 0; t < cn; ++t) {
+      prefetch_l2(P.v + base[t] + head_off, span * sizeof(kv_t));
+      if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span * sizeof(kv_t));
+      const float* kt;
+      if constexpr (std::is_same_v<kv_t, float>) {
+        kt = P.k + base[t] + head_off;
+      } else {
+        row_to_f32(P.k + base[t] + head_off, kbuf, span);
+        kt = kbuf;
+      }
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const float* kr = kt + gi * D;
+        for (int64_t ii = 0; ii < R; ++ii) {
+          const bool visible = c0 + t <= first_pos + ii;
+          for (int64_t j = 0; j < G; ++j) {
+            const int64_t row = (gi * R + ii) * G + j;
+            const float* qr = q + row * D;
+            v16 a = vload(qr) * vload(kr);
+            for (int64_t d = 16; d < D; d += 16) a += vload(qr + d) * vload(kr + d);
+            S[row * C + t] = visible ? hsum(a) : kNegInf;
+          }
+        }
+      }
+    }
+
+    // Online softmax per row over this chunk; masked and padding entries become exact zeros.
+    for (int64_t row = 0; row < NR; ++row) {
+      const int64_t ii = (row / G) % R;
+      const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
+      float* sr = S + row * C;
+      if (valid <= 0) {
+        alpha[row] = 1.0f;
+        std::fill(sr, sr + C, 0.0f);
+        continue;
+      }
+      v16 mxv = vset(m[row]);
+      for (int64_t t = 0; t < C; t += 16) {
+        const v16 x = vload(sr + t);
+        mxv = vmax(mxv, (iota + static_cast<int32_t>(t)) < viset(static_cast<int32_t>(valid)) ? x : vset(kNegInf));
+      }
+      const float mx = hmax(mxv);
+      v16 sum = {};
+      for (int64_t t = 0; t < C; t += 16) {
+        const v16 e = vexp2(vload(sr + t) - mx);
+        const v16 pv = (iota + static_cast<int32_t>(t)) < viset(static_cast<int32_t>(valid)) ? e : v16{};
+        vstore(sr + t, pv);
+        sum += pv;
+      }
+      alpha[row] = std::exp2(m[row] - mx);
+      l[row] = l[row] * alpha[row] + hsum(sum);
+      m[row] = mx;
+    }
+
+    // Values: acc = acc * alpha + P V, one kv head at a time, accumulators in registers.
+    const float* vt0;
+    int64_t vstride;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      vt0 = nullptr;
+      vstride = 0;
+    } else {
+      for (int64_t t = 0; t < cn; ++t) row_to_f32(P.v + base[t] + head_off, vbuf + t * span, span);
+      vt0 = vbuf;
+      vstride = span;
+    }
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      for (int64_t t = 0; t < cn; ++t) {
+        if constexpr (std::is_same_v<kv_t, float>)
+          vrow[t] = P.v + base[t] + head_off + gi * D;
+        else
+          vrow[t] = vt0 + t * vstride + gi * D;
+      }
+      const int64_t r0 = gi * RG;
+      pv_rows(acc + r0 * D, D, alpha + r0, S + r0 * C, 1, C, vrow, cn, RG);
+    }
+  }
+  for (int64_t gi = 0; gi < ng; ++gi)
+    for (int64_t ii = 0; ii < R; ++ii)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t row = (gi * R + ii) * G + j;
+        store_out(P, tok0 + ii, (w.kv_begin + gi) * G + j, acc + row * D, 1.0f / l[row]);
+      }
+}
+
+// ST[t][rows] = sum_d K[t][d] * Qt[d][rows] for kTB keys and RW vectors of 16 rows.
+template <int RW>
+inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int64_t D, float* ST) {
+  v16 acc[kTB][RW] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 qv[RW];
+    for (int r = 0; r < RW; ++r) qv[r] = vload(Qt + d * Mp + 16 * r);
+    for (int t = 0; t < kTB; ++t) {
+      const float kv = krow[t][d];
+      for (int r = 0; r < RW; ++r) acc[t][r] += kv * qv[r];
+    }
+  }
+  for (int t = 0; t < kTB; ++t)
+    for (int r = 0; r < RW; ++r) vstore(ST + t * Mp + 16 * r, acc[t][r]);
+}
+
+// Prompt chunks: a tile of queries [q_begin, q_end) x the G query heads of one kv head.
+template <typename kv_t>
+void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
+  const int64_t D = P.D, G = P.G, s = w.seq, g = w.kv_begin;
+  const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
+  const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
+  const int64_t R = w.q_end - w.q_begin, M = R * G, Mp = (M + 15) / 16 * 16, RV = Mp / 16;
+  const int64_t first_pos = L - n + w.q_begin, last_pos = L - n + w.q_end - 1;
+
+  size_t off = 0;
+  float* Qt = sc.take(D * Mp, off);
+  float* O = sc.take(Mp * D, off);
+  float* m = sc.take(Mp, off);
+  float* l = sc.take(Mp, off);
+  float* alpha = sc.take(Mp, off);
+  int32_t* pos = reinterpret_cast<int32_t*>(sc.take(Mp, off));
+  float* ST = sc.take(kTileChunk * Mp, off);
+  float* kbuf = sc.take(kTileChunk * D, off);
+  float* vbuf = sc.take(kTileChunk * D, off);
+  float* zero = sc.take(D, off);
+  int64_t base[kTileChunk];
+  const float** krow = sc.krow.data();
+  const float** vrow = sc.vrow.data();
+
+  // row r = ii * G + j  <->  query tok0 + ii, head g * G + j. Padding rows: zero queries, never masked.
+  std::fill(Qt, Qt + D * Mp, 0.0f);
+  for (int64_t ii = 0; ii < R; ++ii)
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t d = 0; d < D; ++d) Qt[d * Mp + ii * G + j] = q_at(P, tok0 + ii, g * G + j, d) * P.scale_log2;
+  for (int64_t r = 0; r < Mp; ++r)
+    pos[r] = r < M ? static_cast<int32_t>(first_pos + r / G) : std::numeric_limits<int32_t>::max();
+  std::fill(O, O + Mp * D, 0.0f);
+  std::fill(m, m + Mp, kNegInf);
+  std::fill(l, l + Mp, 0.0f);
+  std::fill(zero, zero + D, 0.0f);
+
+  for (int64_t c0 = 0; c0 <= last_pos; c0 += kTileChunk) {
+    const int64_t cn = std::min(kTileChunk, last_pos + 1 - c0);
+    chunk_offsets(P, s, c0, cn, base);
+    gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
+    const int64_t cn_padded = (cn + kTB - 1) / kTB * kTB;
+    for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
+    // Row vectors whose rows all sit before this chunk take no part in it.
+    const int64_t rv0 = std::max<int64_t>(0, (c0 - first_pos) * G) / 16;
+    const bool masked = c0 + cn - 1 > first_pos;
+
+    for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
+      int64_t rv = rv0;
+      for (; rv + 4 <= RV; rv += 4) qk_micro<4>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);
+      switch (RV - rv) {
+        case 3: qk_micro<3>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+        case 2: qk_micro<2>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+        case 1: qk_micro<1>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+        default: break;
+      }
+    }
+
+    for (int64_t rv = rv0; rv < RV; ++rv) {
+      const int64_t r0 = rv * 16;
+      const vi16 pv = [&] { vi16 x; std::memcpy(&x, pos + r0, sizeof(x)); return x; }();
+      const v16 m_old = vload(m + r0);
+      v16 mx = m_old;
+      if (masked) {
+        for (int64_t t = 0; t < cn; ++t) {
+          const v16 sv = viset(static_cast<int32_t>(c0 + t)) <= pv ? vload(ST + t * Mp + r0) : vset(kNegInf);
+          vstore(ST + t * Mp + r0, sv);
+          mx = vmax(mx, sv);
+        }
+      } else {
+        for (int64_t t = 0; t < cn; ++t) mx = vmax(mx, vload(ST + t * Mp + r0));
+      }
+      v16 sum = {};
+      for (int64_t t = 0; t < cn; ++t) {
+        v16 e = vexp2(vload(ST + t * Mp + r0) - mx);
+        if (masked) e = viset(static_cast<int32_t>(c0 + t)) <= pv ? e : v16{};
+        vstore(ST + t * Mp + r0, e);
+        sum += e;
+      }
+      const v16 a = vexp2(m_old - mx);
+      vstore(alpha + r0, a);
+      vstore(l + r0, vload(l + r0) * a + sum);
+      vstore(m + r0, mx);
+    }
+
+    const int64_t r0 = rv0 * 16;
+    pv_rows(O + r0 * D, D, alpha + r0, ST + r0, Mp, 1, vrow, cn, Mp - r0);
+  }
+  for (int64_t ii = 0; ii < R; ++ii)
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t r = ii * G + j;
+      store_out(P, tok0 + ii, g * G + j, O + r * D, 1.0f / l[r]);
+    }
+}
+
+template <typename kv_t>
+void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scratch_floats) {
+  std::atomic<size_t> next{0};
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    Scratch sc;
+    sc.buf.resize(scratch_floats);
+    sc.krow.resize(std::max(kRowsChunk, kTileChunk));
+    sc.vrow.resize(std::max(kRowsChunk, kTileChunk));
+    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
+      if (items[i].tiled)
+        attend_tile(P, items[i], sc);
+      else
+        attend_rows(P, items[i], sc);
+    }
+  });
+}
+
+}  // namespace
+
+// See pagedllm/attention.py:paged_attention for the contract. tile_min_queries: sequences with at least this
+// many queries in the step use the tiled (prefill) kernel, the others the row (decode) kernel.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                              const torch::Tensor& query_start_loc, double scale, int64_t max_query_len,
+                              int64_t tile_min_queries) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be 3-d, caches 4-d");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "caches must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, context_lens, query_start_loc must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "block_tables [S, max_blocks], context_lens [S], query_start_loc [S+1] must be contiguous");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t S = block_tables.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and cache differ");
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(context_lens.numel() == S && query_start_loc.numel() == S + 1, "batch sizes disagree");
+  TORCH_CHECK(tile_min_queries >= 1, "tile_min_queries must be >= 1");
+
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t G = H / KVH;
+  TORCH_CHECK(S == 0 || (qsl[0] >= 0 && qsl[S] <= T), "query_start_loc out of range");
+  std::vector<WorkItem> items;
+  std::vector<int32_t> row_items;  // indices of decode-like items, split over kv heads when work is scarce
+  size_t rows_max_R = 0, tile_max_M = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qsl[s + 1] - qsl[s], L = ctx[s];
+    TORCH_CHECK(n >= 0 && n <= max_query_len, "sequence ", s, ": bad query count ", n);
+    if (n == 0) continue;
+    TORCH_CHECK(L >= n, "sequence ", s, ": context_len ", L, " < its query count ", n);
+    const int64_t nblocks = (L + BS - 1) / BS;
+    TORCH_CHECK(nblocks <= MB, "sequence ", s, ": block table too short for context ", L);
+    for (int64_t b = 0; b < nblocks; ++b)
+      TORCH_CHECK(bt[s * MB + b] >= 0 && bt[s * MB + b] < NB, "sequence ", s, ": block id out of range");
+    if (n >= tile_min_queries) {
+      const int64_t qt = std::max<int64_t>(1, kTileRows / G);
+      for (int64_t i0 = 0; i0 < n; i0 += qt) {
+        const int64_t i1 = std::min(n, i0 + qt);
+        tile_max_M = std::max<size_t>(tile_max_M, (i1 - i0) * G);
+        for (int64_t g = 0; g < KVH; ++g) {
+          const double cost = double((i1 - i0) * G) * double(L - n + i1);
+          items.push_back({int32_t(s), int32_t(i0), int32_t(i1), int32_t(g), int32_t(g + 1), true, cost});
+        }
+      }
+    } else {
+      rows_max_R = std::max<size_t>(rows_max_R, n);
+      row_items.push_back(int32_t(items.size()));
+      items.push_back({int32_t(s), 0, int32_t(n), 0, int32_t(KVH), false, double(n * H) * double(L)});
+    }
+  }
+  // Too few tasks to keep every thread busy: give each kv head of a decode its own task.
+  if (KVH > 1 && !row_items.empty() && int64_t(items.size()) < 4 * at::get_num_threads()) {
+    for (int32_t idx : row_items) {
+      WorkItem& w = items[idx];
+      w.kv_end = 1;
+      w.cost /= KVH;
+      for (int64_t g = 1; g < KVH; ++g) {
+        WorkItem x = w;
+        x.kv_begin = int32_t(g);
+        x.kv_end = int32_t(g + 1);
+        items.push_back(x);
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  const size_t pad = 16;
+  const size_t NR = rows_max_R * H;
+  const size_t span = KVH * D;
+  const size_t rows_floats = 2 * (NR * D + pad) + 3 * (NR + pad) + (NR * kRowsChunk + pad) + (span + pad) +
+                             (kRowsChunk * span + pad);
+  const size_t Mp = (tile_max_M + 15) / 16 * 16;
+  const size_t tile_floats = 2 * (Mp * D + pad) + 4 * (Mp + pad) + (kTileChunk * Mp + pad) +
+                             2 * (kTileChunk * D + pad) + (D + pad);
+  const size_t scratch_floats = std::max(rows_floats, tile_floats);
+
+  auto out = torch::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (S == 0) return out.zero_();
+  if (qsl[0] > 0) out.narrow(0, 0, qsl[0]).zero_();
+  if (qsl[S] < T) out.narrow(0, qsl[S], T - qsl[S]).zero_();
+  if (items.empty()) return out;
+
+  const float scale_log2 = static_cast<float>(scale) * kLog2e;
+  const bool half_q = q.scalar_type() == at::kBFloat16;
+  if (k_cache.scalar_type() == at::kFloat) {
+    const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
+                           k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
+                           H, KVH, G, D, BS, MB, scale_log2};
+    run(P, items, scratch_floats);
+  } else {
+    const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
+                                  k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
+                                  qsl, H, KVH, G, D, BS, MB, scale_log2};
+    run(P, items, scratch_floats);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache (CPU)");
+}

@@ -1,0 +1,95 @@
+"""The Llama-family decoder (Llama, SmolLM, TinyLlama, Mistral, Qwen2) over a flat, unpadded batch and a paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import paged_attention, write_kv
+from pagedllm.layers import RotaryEmbedding, rms_norm, swiglu
+from pagedllm.loader import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    context_lens: torch.Tensor  # int32 [S], tokens in the cache after this step
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    max_query_len: int
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # q, k and v projections fused into one matmul
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # gate and up projections fused
+    down_weight: torch.Tensor
+
+
+class LlamaModel:
+    """Weights held as plain tensors; forward is a function of the batch and the KV cache, nothing else."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 attention_backend: str = "auto") -> None:
+        self.config = config
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed)
+        self.norm = w["model.norm.weight"]
+        self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, dtype)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        return DecoderLayer(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv_weight=torch.cat([w[n + ".weight"] for n in qkv]).contiguous(),
+            qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
+            o_weight=w[p + "self_attn.o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up_weight=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
+            down_weight=w[p + "mlp.down_proj.weight"],
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
+                                    positions, meta, k_cache, v_cache)
+            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            h = h + F.linear(swiglu(F.linear(x, layer.gate_up_weight)), layer.down_weight)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def _attention(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, c.num_attention_heads, c.head_dim)
+        k = k.view(-1, c.num_key_value_heads, c.head_dim)
+        v = v.view(-1, c.num_key_value_heads, c.head_dim)
+        q, k = self.rotary(positions, q, k)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+                            self.scale, meta.max_query_len, backend=self.attention_backend)
+        return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,173 @@
+"""Serving metrics: Prometheus series named like vLLM's (`pagedllm:` for `vllm:`), and vLLM-style log lines.
+
+`EngineStats.record` is called by the async engine's loop thread after every step (and after aborts), so it
+sees each request's outputs in order and the engine's state between steps; Prometheus reads from another
+thread, which prometheus-client allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.outputs import RequestOutput
+
+request_logger = logging.getLogger("pagedllm.requests")
+stats_logger = logging.getLogger("pagedllm.stats")
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0, 40.0, 80.0]
+
+
+@dataclass
+class _Progress:
+    """What the stats have seen of one request so far."""
+
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class EngineStats:
+    """Prometheus metrics for one server (its own registry) plus per-request and periodic engine log lines."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, log_interval: float = 5.0,
+                 ) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.log_interval = log_interval
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_running_max = gauge(
+            "num_requests_running_max", "Most requests running in one step since the server started.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 = all blocks taken.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._request_success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
+                                        ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
+                                             LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.",
+                                             ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                                             LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                            LATENCY_BUCKETS)
+        self._progress: dict[str, _Progress] = {}
+        self._seen_preemptions = 0
+        self._peak_running = 0
+        self._idle = True
+        self._start_interval(time.monotonic())
+
+    # ---- called by the loop thread ----------------------------------------------------------------------
+    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        """Update gauges from the engine's state and counters/histograms from this step's outputs."""
+        now = time.time()
+        running, waiting = engine.num_running, engine.num_waiting
+        if self._idle and (running or waiting or outputs):  # work after idleness opens a new log window
+            self._start_interval(time.monotonic())
+        self._idle = not (running or waiting)
+        for out in outputs:
+            self._record_output(out, now)
+        self._peak_running = max(self._peak_running, running)
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.num_requests_running_max.set(self._peak_running)
+        self.kv_cache_usage_perc.set(kv_cache_usage(engine))
+        preemptions = engine.scheduler.num_preemptions
+        if preemptions > self._seen_preemptions:
+            self.num_preemptions.inc(preemptions - self._seen_preemptions)
+            self._seen_preemptions = preemptions
+        self._maybe_log_engine(engine, running, waiting)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+
+    def _record_output(self, out: RequestOutput, now: float) -> None:
+        progress = self._progress.setdefault(out.request_id, _Progress())
+        num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        new_tokens = num_tokens - progress.num_tokens
+        m = out.metrics
+        if new_tokens > 0:
+            if progress.num_tokens == 0:
+                self._record_first_token(out, now)
+            elif progress.last_token_time is not None:
+                self.inter_token_latency.observe((now - progress.last_token_time) / new_tokens)
+            self.generation_tokens.inc(new_tokens)
+            self._interval_generation_tokens += new_tokens
+            progress.num_tokens, progress.last_token_time = num_tokens, now
+        if out.finished:
+            del self._progress[out.request_id]
+            reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+            self._request_success.labels(self._model_name, reason).inc()
+            if m is not None:
+                self.e2e_request_latency.observe((m.finished_time or now) - m.arrival_time)
+            log_finished_request(out, now)
+
+    def _record_first_token(self, out: RequestOutput, now: float) -> None:
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self._interval_prompt_tokens += len(out.prompt_token_ids)
+        m = out.metrics
+        if m is None:
+            return
+        self.time_to_first_token.observe((m.first_token_time or now) - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+
+    def _maybe_log_engine(self, engine: Any, running: int, waiting: int) -> None:
+        """Every log_interval seconds while there is work: throughput and occupancy, as vLLM logs them.
+        """
+        now = time.monotonic()
+        elapsed = now - self._interval_start
+        if elapsed < self.log_interval:
+            return
+        if not self._idle or self._interval_prompt_tokens or self._interval_generation_tokens:
+            stats_logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                self._interval_prompt_tokens / elapsed, self._interval_generation_tokens / elapsed,
+                running, waiting, 100 * kv_cache_usage(engine))
+        self._start_interval(now)
+
+    def _start_interval(self, now: float) -> None:
+        self._interval_start = now
+        self._interval_prompt_tokens = self._interval_generation_tokens = 0
+
+
+def kv_cache_usage(engine: Any) -> float:
+    """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
+    bm = engine.block_manager
+    return 1.0 - bm.num_free_blocks / bm.num_total_blocks if bm.num_total_blocks else 0.0
+
+
+def log_finished_request(out: RequestOutput, now: float) -> None:
+    completion = out.outputs[0] if out.outputs else None
+    m = out.metrics
+    ttft = f"{m.first_token_time - m.arrival_time:.3f}s" if m and m.first_token_time else "-"
+    total = f"{(m.finished_time or now) - m.arrival_time:.3f}s" if m else "-"
+    request_logger.info("Finished request %s: prompt_tokens=%d output_tokens=%d ttft=%s total=%s "
+                        "finish_reason=%s", out.request_id, len(out.prompt_token_ids),
+                        len(completion.token_ids) if completion else 0, ttft, total,
+                        (completion.finish_reason if completion else None) or "abort")

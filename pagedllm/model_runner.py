@@ -1,0 +1,88 @@
+"""Turns a step's plan into one flat, unpadded batch, runs the model over the paged cache and samples."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagedllm.llama import AttentionMetadata, LlamaModel
+from pagedllm.loader import ModelConfig
+from pagedllm.sampler import SamplerOutput, SamplingBatch, sample
+from pagedllm.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer of one block."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the per-request random generators; knows nothing of policy."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_id: int | None) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+                          for _ in range(c.num_hidden_layers)]
+        self.generators: dict[str, torch.Generator] = {}
+
+    def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """input_ids, positions, attention metadata and the rows whose logits are sampled, built once per step."""
+        scheduled = plan.scheduled
+        starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
+        lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
+        input_ids = torch.tensor(list(chain.from_iterable(
+            s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in scheduled)), dtype=torch.int64)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
+        positions = torch.arange(len(input_ids)) - query_start_loc[seq_of_token] + starts[seq_of_token]
+        tables = [block_tables[s.seq.request_id] for s in scheduled]
+        padded = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for row, table in zip(padded, tables):
+            row[:len(table)] = table
+        block_table = torch.from_numpy(padded)
+        slot_mapping = (block_table[seq_of_token, positions // self.block_size].long() * self.block_size
+                        + positions % self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_table,
+            context_lens=(starts + lens).to(torch.int32),
+            query_start_loc=query_start_loc.to(torch.int32),
+            max_query_len=int(lens.max()),
+        )
+        samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)
+        return input_ids, positions, meta, (query_start_loc[1:] - 1)[samples]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> SamplerOutput | None:
+        """One model step; returns the tokens of the sequences that sample, in plan order (None if none do)."""
+        input_ids, positions, meta, logit_rows = self.prepare(plan, block_tables)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if len(logit_rows) == 0:
+            return None
+        logits = self.model.compute_logits(hidden[logit_rows])
+        seqs = [s.seq for s in plan.scheduled if s.samples]
+        batch = SamplingBatch.build(
+            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [self._generator(s.request_id, s.params.seed) for s in seqs], self.model.config.vocab_size,
+            eos_token_id=self.eos_token_id)
+        return sample(logits, batch)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        """A seeded request draws from its own generator, so its samples do not depend on its batch-mates."""
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator().manual_seed(seed)
+        return self.generators[request_id]
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

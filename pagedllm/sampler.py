@@ -1,0 +1,244 @@
+"""Turn one step's logits into next tokens (penalties, min_tokens, greedy, temperature, top-k/p, min-p).
+
+Follows vLLM's sampler. All work is batched over the S sampling rows of the step; the only Python loop over
+rows is the draw of per-request seeded generators, so a seeded request's tokens do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step tensors for the S sequences that sample this step (built once per step, vectorised).
+
+    Optional fields are None when no row uses the feature, so a step pays only for what its requests ask for.
+    """
+
+    temperature: torch.Tensor  # float32 [S]; 1.0 on greedy rows so dividing by it is harmless
+    greedy: torch.Tensor  # bool [S]
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # int64 [S], vocab_size where disabled
+    max_top_k: int  # largest enabled top_k (0 if none): the width of the top-k-only path's topk
+    top_p: torch.Tensor | None  # float32 [S], 1.0 where disabled
+    min_p: torch.Tensor | None  # float32 [S], 0.0 where disabled
+    repetition_penalty: torch.Tensor | None  # float32 [S], 1.0 where disabled
+    frequency_penalty: torch.Tensor | None  # float32 [S]
+    presence_penalty: torch.Tensor | None  # float32 [S]
+    seen_mask: torch.Tensor | None  # bool [S, V]: token occurs in prompt or output (repetition penalty)
+    output_counts: torch.Tensor | None  # float32 [S, V]: occurrences in the output (all three penalties)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf by min_tokens
+    generators: dict[int, torch.Generator]  # row -> the request's generator, for seeded non-greedy rows
+    num_logprobs: int | None  # K = most top logprobs any row asked for; None if nobody asked
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> SamplingBatch:
+        """Gather the rows' parameters into [S] tensors and their token histories into [S, V] counts.
+
+        Repetition penalty counts prompt + output tokens (as vLLM/HF); presence and frequency count output
+        only (as OpenAI/vLLM). While a row has fewer than min_tokens outputs, its EOS and stop_token_ids are
+        banned, whether or not it ignores EOS.
+        """
+        vocab = vocab_size
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
+        top_k_on = top_k < vocab
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        use_rep, use_freq_pres = bool((rep != 1.0).any()), bool(((freq != 0.0) | (pres != 0.0)).any())
+
+        seen_mask = output_counts = None
+        if use_rep or use_freq_pres:
+            penalised = ((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).tolist()
+            output_counts = _token_counts(output_ids, penalised, vocab)
+            if use_rep:
+                seen_mask = (_token_counts(prompt_ids, penalised, vocab) > 0) | (output_counts > 0)
+
+        banned_pairs = [
+            (row, tok)
+            for row, p in enumerate(params)
+            if len(output_ids[row]) < p.min_tokens
+            for tok in {*p.stop_token_ids, eos_token_id}
+            if tok is not None and tok < vocab
+        ]
+        banned = None
+        if banned_pairs:
+            banned = tuple(torch.tensor(banned_pairs, dtype=torch.int64).T)
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            greedy=greedy,
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=top_k if bool(top_k_on.any()) else None,
+            max_top_k=int(top_k[top_k_on].max()) if bool(top_k_on.any()) else 0,
+            top_p=top_p if bool((top_p < 1.0).any()) else None,
+            min_p=min_p if bool((min_p > 0.0).any()) else None,
+            repetition_penalty=rep if use_rep else None,
+            frequency_penalty=freq if use_freq_pres else None,
+            presence_penalty=pres if use_freq_pres else None,
+            seen_mask=seen_mask,
+            output_counts=output_counts,
+            banned=banned,
+            generators={
+                row: gen
+                for row, (gen, p) in enumerate(zip(generators, params, strict=True))
+                if gen is not None and not p.greedy
+            },
+            num_logprobs=min(max(requested), vocab) if requested else None,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor  # float32 [S], logprob of the chosen token under the raw model distribution
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (ids int64 [S, K], values float32 [S, K])
+    ranks: torch.Tensor | None = None  # int64 [S], 1-based rank of the chosen token (only when logprobs are asked)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of logits [S, V] (any float dtype; computed in float32).
+
+    Logprobs (chosen and top-K) are those of the raw model output, log_softmax(logits) before penalties,
+    temperature and truncation, as vLLM V1 returns by default ("raw_logprobs").
+    Order: penalties -> min_tokens ban -> greedy argmax | temperature -> top-k -> top-p -> min-p -> draw.
+    """
+    raw = logits.float()
+    x = raw
+    if batch.output_counts is not None:
+        x = apply_penalties(x, batch)
+    if batch.banned is not None:
+        x = x.index_put(batch.banned, torch.tensor(_NEG_INF))
+    if batch.all_greedy:
+        token_ids = x.argmax(dim=-1)
+    elif batch.all_random:
+        token_ids = _sample_random(x, batch)
+    else:
+        token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch))
+    return _logprobs(raw, token_ids, batch.num_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, frequency and presence penalties as vLLM applies them; returns a new tensor."""
+    if batch.repetition_penalty is not None:
+        assert batch.seen_mask is not None
+        penalty = torch.where(batch.seen_mask, batch.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if batch.frequency_penalty is not None and batch.presence_penalty is not None:
+        assert batch.output_counts is not None
+        logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+        logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0)
+    return logits
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, truncation, then vLLM's exponential-race draw (argmax p/q, q ~ Exp(1)): each seeded row
+    fills its q from its own generator, so its draw does not depend on the other rows. q is made as -log(U),
+    U uniform: the same Exp(1) noise, but about 4x cheaper on CPU than Tensor.exponential_."""
+    x = logits / batch.temperature[:, None]  # a fresh tensor: in-place from here on is safe
+    if batch.top_p is not None:
+        x = _top_k_top_p(x, batch.top_k, batch.max_top_k, batch.top_p)
+    elif batch.top_k is not None:
+        x = _top_k(x, batch.top_k, batch.max_top_k)
+    if batch.min_p is not None:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); min_p == 0 gives -inf, keeping all.
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + batch.min_p.log()[:, None], _NEG_INF)
+    probs = x.softmax(dim=-1)
+    u = torch.empty_like(probs)
+    if len(batch.generators) < batch.num_rows:
+        u.uniform_()
+    for row, generator in batch.generators.items():
+        u[row].uniform_(generator=generator)
+    # U = 0 gives q = inf (the token loses); the clamp keeps q > 0, so a masked token never makes 0/0 = NaN.
+    q = u.log_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k logits (ties with the k-th kept) with one topk of the widest k, not a sort."""
+    vocab = x.shape[-1]
+    off = top_k >= vocab
+    kth = x.topk(max_top_k, dim=-1).values.gather(1, (top_k.masked_fill(off, 1) - 1)[:, None])
+    kth.masked_fill_(off[:, None], _NEG_INF)
+    return x.masked_fill_(x < kth, _NEG_INF)
+
+
+def _top_k_top_p(
+    x: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor
+) -> torch.Tensor:
+    """One ascending sort for the batch: top-k, then top-p over the renormalised survivors (vLLM's rule:
+    drop the low tail whose cumulative probability is <= 1 - p, always keeping the top token).
+
+    When every row has a top_k, every survivor is among the widest top-k, so only those are sorted (a topk);
+    otherwise the whole vocab is.
+    """
+    vocab = x.shape[-1]
+    if top_k is not None and bool((top_k < vocab).all()):
+        x_sorted, order = (t.flip(-1) for t in x.topk(max_top_k, dim=-1))
+        out = torch.full_like(x, _NEG_INF)
+    else:
+        x_sorted, order = x.sort(dim=-1)
+        out = x
+    if top_k is not None:
+        # Index width - k; a disabled row (k == vocab, full sort) gets index 0, the minimum: nothing dropped.
+        kth = x_sorted.gather(1, (x_sorted.shape[-1] - top_k)[:, None])
+        x_sorted.masked_fill_(x_sorted < kth, _NEG_INF)
+    cumulative = x_sorted.softmax(dim=-1).cumsum_(dim=-1)
+    drop = (cumulative <= (1.0 - top_p)[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, -1] = False
+    x_sorted.masked_fill_(drop, _NEG_INF)
+    return out.scatter_(-1, order, x_sorted)
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:
+    """Logprobs of the raw distribution without materialising log_softmax: logit - logsumexp."""
+    lse = raw.logsumexp(dim=-1)
+    chosen_logit = raw.gather(1, token_ids[:, None])
+    chosen = chosen_logit.squeeze(1) - lse
+    top = ranks = None
+    if k is not None:
+        values, ids = raw.topk(k, dim=-1)
+        top = (ids, values - lse[:, None])
+        ranks = (raw > chosen_logit).sum(dim=-1) + 1
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top, ranks=ranks)
+
+
+def _token_counts(token_lists: list[list[int]], rows_on: list[bool], vocab_size: int) -> torch.Tensor:
+    """Count the tokens of the rows that are on into a float32 [S, V] tensor: one scatter_add over the lists
+    flattened (rather than padded) into one tensor."""
+    token_lists = [ids if on else [] for ids, on in zip(token_lists, rows_on, strict=True)]
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32)
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
+    flat = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    counts.view(-1).scatter_add_(0, rows * vocab_size + flat, torch.ones(flat.shape[0]))
+    return counts

@@ -1,0 +1,76 @@
+"""Sampling parameters of one request, named and defaulted as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop; validated once, when the request arrives."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs to return per generated token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject values that make no sense before they reach the scheduler."""
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.n <= 1, "n > 1 (parallel sampling) is not supported yet"),
+            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 10.0,
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop_list), "stop strings must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

@@ -1,0 +1,450 @@
+"""Tokenizer: text <-> token ids, the chat template, and incremental detokenization for streaming.
+
+Wraps a Hugging Face fast tokenizer (`tokenizers.Tokenizer`), built either from a model folder's
+`tokenizer.json` or from the vocabulary a GGUF file carries in its metadata (llama.cpp's key names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp and transformers' GGUF
+# converter define them. None means GPT-2's own regex (ByteLevel with use_regex=True).
+_GPT2 = None
+_DIGITS_THEN_GPT2 = "digits"  # llama.cpp's STARCODER/SMOLLM family: every digit alone, then the GPT-2 regex
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
+    "default": _GPT2,
+    "gpt2": _GPT2,
+    "gpt-2": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+# Control tokens that end a turn; llama.cpp treats them as end-of-generation by their text.
+_END_OF_GENERATION_TEXTS = (
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>",
+)
+
+# How many prompt tokens the detokenizer decodes with the first output token (as vLLM), so that the first
+# token's leading space and multi-token characters spanning the prompt boundary come out right.
+_INITIAL_WINDOW = 5
+
+
+class Tokenizer:
+    """Text <-> ids with the model's special tokens, and its chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        add_bos: bool,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+        self._template: jinja2.Template | None = None
+
+    # -- construction ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`) from a model folder."""
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise FileNotFoundError(f"no tokenizer.json in model folder {path}")
+        try:
+            backend = BackendTokenizer.from_file(tokenizer_file)
+        except Exception as e:
+            raise ValueError(f"cannot read tokenizer {tokenizer_file}: {e}") from e
+        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+
+        bos_token_id = _token_id(backend, config.get("bos_token"))
+        eos_token_id = _token_id(backend, config.get("eos_token"))
+        chat_template = _chat_template(config.get("chat_template"))
+        template_file = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(template_file):
+            with open(template_file, encoding="utf-8") as f:
+                chat_template = f.read()
+
+        # tokenizer.json's post-processor decides whether BOS is added; honour an explicit add_bos_token too.
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_token_id is not None and len(probe) > 1 and probe[0] == bos_token_id
+        if config.get("add_bos_token") and bos_token_id is not None and not add_bos:
+            _set_post_processor(backend, bos_token_id, add_bos=True, eos_token_id=None, add_eos=False)
+            add_bos = True
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            chat_template=chat_template,
+            add_bos=add_bos,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file describes, from its metadata (key -> Python value).
+
+        Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and sentencepiece BPE (`"llama"`) are supported,
+        the way llama.cpp and transformers' GGUF converter read them.
+        """
+        kind = metadata.get("tokenizer.ggml.model")
+        tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+        token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, merges, metadata.get("tokenizer.ggml.pre", "default"))
+            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        elif kind == "llama":
+            scores = metadata.get("tokenizer.ggml.scores")
+            unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+            backend = _sentencepiece_bpe(
+                tokens,
+                merges,
+                scores,
+                unk_token=None if unk_id is None else tokens[unk_id],
+                add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+            )
+            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (sentencepiece BPE)"
+            )
+        backend.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, token_type in zip(tokens, token_types, strict=True)
+                if token_type in (_TOKEN_UNKNOWN, _TOKEN_CONTROL)
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, token_type in zip(tokens, token_types, strict=True)
+                if token_type == _TOKEN_USER_DEFINED
+            ]
+        )
+        bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_token_id = metadata.get("tokenizer.ggml.eos_token_id")
+        add_bos = add_bos and bos_token_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_token_id is not None
+        _set_post_processor(backend, bos_token_id, add_bos, eos_token_id, add_eos, byte_level=kind == "gpt2")
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            add_bos=add_bos,
+        )
+
+    def save(self, path: str) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (with the chat template) into folder `path`."""
+        os.makedirs(path, exist_ok=True)
+        self.backend.save(os.path.join(path, "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._token_text(self.bos_token_id),
+            "eos_token": self._token_text(self.eos_token_id),
+            "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+
+    # -- use -----------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens in the text are matched whole. BOS added if the model wants."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the token is a special/control token (skipped by decode(skip_special_tokens=True))."""
+        return token_id in self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def end_of_generation_ids(self) -> list[int]:
+        """EOS plus the special tokens that end a turn (e.g. <|im_end|>, <|endoftext|>), EOS first."""
+        ids = [] if self.eos_token_id is None else [self.eos_token_id]
+        for text in _END_OF_GENERATION_TEXTS:
+            token_id = self.backend.token_to_id(text)
+            if token_id is not None and token_id not in ids and self.is_special(token_id):
+                ids.append(token_id)
+        return ids
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render a conversation to the prompt text the model was trained on (as transformers does)."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template; pass a plain prompt instead of chat messages"
+            )
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id) or "",
+            eos_token=self._token_text(self.eos_token_id) or "",
+            **kwargs,
+        )
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas; never emits half of a multi-byte UTF-8 character
+    (holds back while the decoded tail ends with U+FFFD), and gives the same total text as decode(all ids).
+
+    Offsets as in vLLM/TGI: decode only a short window of earlier tokens plus the new ones and diff the
+    two texts, so each step costs O(1) in the sequence length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-_INITIAL_WINDOW:])
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = len(self.ids)  # tokens before this are already in `text`
+        self.text = ""
+
+    def step(self, new_ids: list[int]) -> str:
+        """Append `new_ids`; return the text they complete (may be "" while a character is unfinished)."""
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            # nothing visible yet (skipped special tokens), or an unfinished multi-byte character: keep the
+            # window so the next token is decoded with real text before it (sentencepiece strips a leading
+            # space at the start of a decode)
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an unfinished character becomes U+FFFD); call when a sequence ends."""
+        if self.read_offset == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+# -- building backends ---------------------------------------------------------------------------------------
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple], pre: str) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE, split into words the way the vocabulary's `pre` type says."""
+    if pre not in _PRE_TOKENIZER_SPLITS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(_PRE_TOKENIZER_SPLITS))}"
+        )
+    split = _PRE_TOKENIZER_SPLITS[pre]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # llama.cpp (and Llama 3's tokenizer.json) look a whole word up in the vocabulary before merging
+    ignore_merges = split == _LLAMA3_SPLIT
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=ignore_merges)
+    )
+    if split is _GPT2:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == _DIGITS_THEN_GPT2:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: list[str],
+    merges: list[tuple],
+    scores: Sequence[float] | None,
+    unk_token: str | None,
+    add_space_prefix: bool,
+) -> BackendTokenizer:
+    """Sentencepiece BPE with byte fallback (Llama 2, Mistral); merges from the file or from scores."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if not merges:
+        if scores is None:
+            raise ValueError("sentencepiece GGUF tokenizer has neither merges nor scores")
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge; better-scored results merge first (as in HF)."""
+    merges = []
+    for token, score in scores.items():
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _set_post_processor(
+    backend: BackendTokenizer,
+    bos_token_id: int | None,
+    add_bos: bool,
+    eos_token_id: int | None,
+    add_eos: bool,
+    byte_level: bool = False,
+) -> None:
+    """Add BOS/EOS around every encoded text when the model expects them."""
+    if not (add_bos or add_eos):
+        backend.post_processor = processors.ByteLevel(trim_offsets=False) if byte_level else None
+        return
+    bos = [f"{backend.id_to_token(bos_token_id)}"] if add_bos else []
+    eos = [f"{backend.id_to_token(eos_token_id)}"] if add_eos else []
+    single = " ".join([*bos, "$A", *eos])
+    pair = " ".join([*bos, "$A", *eos, *(f"{t}:1" for t in bos), "$B:1", *(f"{t}:1" for t in eos)])
+    special = [(t, backend.token_to_id(t)) for t in {*bos, *eos}]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+# -- chat template -------------------------------------------------------------------------------------------
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandboxed environment transformers uses."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"invalid chat template: {e}") from e
+
+
+def _chat_template(value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates (take 'default')."""
+    if value is None or isinstance(value, str):
+        return value
+    named = {t["name"]: t["template"] for t in value}
+    return named.get("default", next(iter(named.values()), None))
+
+
+def _token_id(backend: BackendTokenizer, token: Any) -> int | None:
+    """Id of a special token given as text or as an AddedToken dict ({"content": ...}) in tokenizer_config."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return None if token is None else backend.token_to_id(token)
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]

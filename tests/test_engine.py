@@ -1,0 +1,230 @@
+"""The engine against Hugging Face transformers on the same weights: greedy tokens must match, whatever the batching."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm.config import EngineConfig
+
+MAX_TOKENS = 24
+TIE = 1e-3
+
+
+def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49152) for _ in range(rng.choice([1, 2, 5, 15, 16, 17, 31, 33, 47, 60]))]
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Reference greedy continuation (EOS ignored) and the logits at each generated position."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+def assert_matches_reference(ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> None:
+    """Equal token for token; at a genuine tie (top two reference logits within 1e-3) either token is accepted,
+    and the comparison ends there, since the continuations legitimately diverge."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        top2 = ref_logits[i].topk(2)
+        gap = float(top2.values[0] - top2.values[1])
+        assert gap < TIE and a in top2.indices.tolist(), f"token {i}: ours {a}, reference {b} (top-2 gap {gap:.2e})"
+        return
+    assert len(ours) == len(ref)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny):
+    prompts = mixed_prompts()
+    return prompts, [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(block_size=16),
+    dict(block_size=1),
+    dict(block_size=32),
+    dict(block_size=16, max_num_batched_tokens=7),  # chunked prefill: prompts span several steps
+    dict(block_size=16, attention_backend="reference"),
+    dict(block_size=4, max_num_seqs=3),
+], ids=["bs16", "bs1", "bs32", "chunked", "reference-attention", "few-seqs"])
+def test_greedy_matches_transformers(tiny_model_dir, reference, engine_args):
+    prompts, refs = reference
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=512, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for out, (ref, logits) in zip(outs, refs):
+        assert out.outputs[0].finish_reason == "length"
+        assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+    assert llm.engine.block_manager.num_free_blocks == 512
+
+
+def test_greedy_matches_transformers_under_preemption(tiny_model_dir, reference):
+    prompts, refs = reference
+    # 12 blocks of 8 tokens: one sequence of up to 84 tokens fits, 16 of them at once don't.
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=12, block_size=8, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, (ref, logits) in zip(outs, refs):
+        assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+    assert llm.engine.block_manager.num_free_blocks == 12
+
+
+def test_qwen2_with_attention_bias_matches_transformers(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    prompts = mixed_prompts(4, seed=1)
+    llm = LLM(tiny_qwen2_dir, dtype="float32", num_blocks=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(model, p, 12))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_blocks=24, block_size=4,
+                                  max_num_batched_tokens=32, max_num_seqs=6))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 100_000))
+def test_random_workload_keeps_block_invariants(tiny_engine, seed):
+    """Random arrivals, lengths, sampling and aborts: after every step free + referenced == total, and at the end
+    every block is back in the pool."""
+    engine, rng = tiny_engine, random.Random(seed)
+    capacity = engine.max_model_len
+    for step in range(400):
+        if step < 30 and rng.random() < 0.5:
+            n = rng.randint(1, capacity // 2)
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 20),
+                                    seed=rng.choice([None, 5]), ignore_eos=rng.random() < 0.5)
+            engine.add_request(f"{seed}-{step}", [rng.randrange(100, 49152) for _ in range(n)], params)
+        if engine.seqs and rng.random() < 0.05:
+            engine.abort_request(rng.choice(sorted(engine.seqs)))
+        engine.step()
+        engine.check_invariants()
+        if step >= 30 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_outputs_in_prompt_order_with_text_and_logprobs(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256)
+    prompts = ["Hello there", "The capital of France is", "a"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True),
+                        use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        assert out.prompt == prompt and out.prompt_token_ids == tok.encode(prompt)
+        assert c.text == tok.decode(c.token_ids) and len(c.token_ids) == 5
+        assert len(c.logprobs) == 5
+        for token, entry in zip(c.token_ids, c.logprobs):
+            assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
+            assert len(entry) == 3
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_stop_strings_and_stop_tokens(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256)
+    free = llm.generate("Once upon", greedy(20), use_tqdm=False)[0].outputs[0]
+    third = free.token_ids[2]
+    by_token = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                        stop_token_ids=[third]), use_tqdm=False)[0].outputs[0]
+    assert by_token.token_ids == free.token_ids[:3] and by_token.finish_reason == "stop"
+    assert by_token.stop_reason == third
+    stop = free.text[len(free.text) // 2:][:3]
+    if stop.strip():
+        by_str = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
+        assert by_str.text == free.text[:free.text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
+    alone = llm.generate("Tell me", params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(["x y z", "Tell me", "other words here"],
+                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), params,
+                          SamplingParams(temperature=0.5, max_tokens=7)], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+    other = llm.generate("Tell me", SamplingParams(temperature=1.0, max_tokens=12, seed=43, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_min_tokens_and_eos(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256)
+    eos = llm.get_tokenizer().eos_token_id
+    # Make EOS the stop token only after 5 tokens: the sampler must mask it before.
+    out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[eos]),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 5 and eos not in out.token_ids[:5]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=""), "empty"),
+    (dict(prompt=[1] * 5000), "max_model_len"),
+    (dict(prompt=[49152 + 7]), "token ids"),
+])
+def test_bad_prompts_are_rejected_and_engine_keeps_serving(tiny_model_dir, bad, message):
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=64, max_model_len=512)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", bad["prompt"]], greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == 64
+    assert len(llm.generate("still serving", greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_and_architecture(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2"):
+        LLM(str(gpt2))
+
+
+def test_max_model_len_that_does_not_fit_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="KV cache"):
+        LLM(tiny_model_dir, dtype="float32", num_blocks=4, block_size=16, max_model_len=1024)
