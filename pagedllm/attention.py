@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import platform
 import threading
 import warnings
 from pathlib import Path
@@ -24,8 +25,9 @@ import torch
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
-# Sequences with at least this many queries in a step use the tiled (prefill) kernel, fewer the row kernel.
-_TILE_MIN_QUERIES = 4
+# A sequence whose step has at least this many query rows (queries x query heads per kv head) uses the tiled
+# prefill kernel, fewer the row (decode) kernel; measured crossover on this CPU.
+_TILE_MIN_ROWS = 20
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -53,15 +55,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sits at position ``context_lens[s] - n + i`` and sees key positions ``0 ..`` that position.
     """
     if backend == "auto":
-        backend = "cpp" if _kernel_supports(q, k_cache) and is_fast_path_available() else "reference"
-        if backend == "reference":
-            _warn_once("auto", f"pagedllm: fast attention kernel unavailable ({_why_not(q, k_cache)}); "
-                       "using the slow reference path")
+        backend = _pick_backend(q, k_cache)
     if backend == "reference":
         return _reference_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if backend == "cpp":
         return _cpp_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                              max_query_len, _TILE_MIN_QUERIES)
+                              max_query_len, _TILE_MIN_ROWS)
     raise ValueError(f"unknown attention backend {backend!r}; expected 'auto', 'reference' or 'cpp'")
 
 
@@ -95,42 +94,51 @@ def _reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                   tile_min_queries: int) -> torch.Tensor:
-    """The C++ kernel; ``tile_min_queries`` picks the kernel per sequence (tests force either one)."""
+                   tile_min_rows: int) -> torch.Tensor:
+    """The C++ kernel; ``tile_min_rows`` picks the kernel per sequence (tests force either one)."""
     ext = _load_extension()
     if ext is None:
         raise RuntimeError(f"pagedllm attention kernel failed to build: {_ext_error}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     return ext.paged_attention(q, k_cache, v_cache, _int32(block_tables), _int32(context_lens),
-                               _int32(query_start_loc), float(scale), int(max_query_len), int(tile_min_queries))
+                               _int32(query_start_loc), float(scale), int(max_query_len), int(tile_min_rows))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
-def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return _why_not(q, k_cache) == ""
+def _pick_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """``"cpp"`` when the kernel handles these inputs and built; else ``"reference"``, warning once per reason."""
+    reason = _unsupported_reason(q, k_cache)
+    if not reason and not is_fast_path_available():
+        reason = f"kernel build failed: {(_ext_error or '').splitlines()[0]}"
+    if not reason:
+        return "cpp"
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"pagedllm: using the slow reference attention ({reason})", RuntimeWarning, stacklevel=3)
+    return "reference"
 
 
-def _why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     ok_dtypes = (torch.float32, torch.bfloat16)
     if q.dtype not in ok_dtypes or k_cache.dtype not in ok_dtypes:
-        return f"dtypes {q.dtype}/{k_cache.dtype} not float32/bfloat16"
+        return f"dtypes {q.dtype}/{k_cache.dtype} are not float32/bfloat16"
     if q.shape[-1] % 16:
         return f"head_dim {q.shape[-1]} is not a multiple of 16"
     if not k_cache.is_contiguous():
-        return "KV cache is not contiguous"
-    if _ext is None and _ext_error is not None:
-        return f"build failed: {_ext_error.splitlines()[0] if _ext_error else ''}"
+        return "the KV cache is not contiguous"
     return ""
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 def _load_extension() -> ModuleType | None:
@@ -143,21 +151,22 @@ def _load_extension() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                digest = hashlib.sha256(_SOURCE.read_bytes() + repr(_CFLAGS).encode()).hexdigest()[:16]
+                # -march=native: a build is only valid for this CPU, so its features are part of the name.
+                key = _SOURCE.read_bytes() + repr(_CFLAGS).encode() + _cpu_flags().encode()
+                digest = hashlib.sha256(key).hexdigest()[:16]
                 _ext = load(name=f"pagedllm_attention_{digest}", sources=[str(_SOURCE)],
                             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
             except Exception as exc:  # no compiler, no ninja, bad flags: the reference path still works
                 _ext_error = f"{type(exc).__name__}: {exc}"
-                _warn_once("build", f"pagedllm: could not build the attention kernel, using the reference "
-                           f"path ({_ext_error.splitlines()[0]})")
     return _ext
 
 
-def bench_attention(num_threads: int = 2, repeats: int = 20) -> None:
-    """Print decode/prefill timings of the kernel against the reference and contiguous-cache SDPA.
+def bench_attention(num_threads: int = 2, repeats: int = 15) -> None:
+    """Print a markdown table: decode and prefill times of the kernel, the reference, and SDPA (contiguous cache).
 
     Decode: 32 sequences, context ~U(100, 1000), block 16, blocks in random order; four layers' caches are
-    used in turn so that the KV cache is cold, as in a real forward pass.
+    used in turn so the KV cache is cold, as in a forward pass. Variants run round-robin, so background load
+    hits them alike; the table shows medians.
     """
     import statistics
     import time
@@ -167,68 +176,72 @@ def bench_attention(num_threads: int = 2, repeats: int = 20) -> None:
     torch.set_num_threads(num_threads)
     gen = torch.Generator().manual_seed(0)
 
-    def timed(fn, n: int) -> float:
-        fn(0)
-        times = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            fn(i)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
-    def paged(lens: list[int], kvh: int, d: int, dtype: torch.dtype, block: int = 16):
+    def paged_inputs(lens: list[int], kv_heads: int, dtype: torch.dtype, layers: int, block: int = 16):
         nblocks = [math.ceil(n / block) for n in lens]
-        perm = torch.randperm(sum(nblocks), generator=gen)
         tables = torch.zeros(len(lens), max(nblocks), dtype=torch.int32)
-        for s, chunk in enumerate(perm.split(nblocks)):
+        for s, chunk in enumerate(torch.randperm(sum(nblocks), generator=gen).split(nblocks)):
             tables[s, : len(chunk)] = chunk
-        caches = [torch.randn(sum(nblocks), block, kvh, d, generator=gen).to(dtype) for _ in range(8)]
+        caches = [torch.randn(sum(nblocks), block, kv_heads, 64, generator=gen).to(dtype) for _ in range(2 * layers)]
         return tables, caches
 
-    print(f"threads={num_threads}  (median ms per layer call)")
-    print(f"{'case':<34}{'dtype':>6}{'cpp':>9}{'reference':>11}{'contig SDPA':>13}{'cpp/SDPA':>10}")
-    for heads, kvh in [(9, 3), (12, 12)]:
+    def paged_fn(q, caches, tables, ctx, qsl, max_q, backend):
+        layers = len(caches) // 2
+        return lambda i: paged_attention(q, caches[2 * (i % layers)], caches[2 * (i % layers) + 1], tables, ctx,
+                                         qsl, 0.125, max_q, backend)
+
+    def sdpa_fn(q4, dense, mask):
+        layers = len(dense) // 2
+        return lambda i: F.scaled_dot_product_attention(q4, dense[2 * (i % layers)], dense[2 * (i % layers) + 1],
+                                                        attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+    def measure(variants: dict, reps: int) -> dict[str, float]:
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(reps + 1):
+            for name, fn in variants.items():
+                if name == "reference" and i > max(2, reps // 5):
+                    continue
+                t0 = time.perf_counter()
+                fn(i)
+                if i:  # round 0 warms up
+                    times[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+    rows = []
+    for heads, kv_heads in [(9, 3), (12, 12)]:
         lens = torch.randint(100, 1001, (32,), generator=gen).tolist()
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        qsl = torch.arange(33, dtype=torch.int32)
+        mask = (torch.arange(max(lens))[None, :] < ctx[:, None]).view(32, 1, 1, -1)
         for dtype in (torch.float32, torch.bfloat16):
-            tables, caches = paged(lens, kvh, 64, dtype)
+            tables, caches = paged_inputs(lens, kv_heads, dtype, layers=4)
             q = torch.randn(32, heads, 64, generator=gen).to(dtype)
-            ctx = torch.tensor(lens, dtype=torch.int32)
-            qsl = torch.arange(33, dtype=torch.int32)
-            lmax = max(lens)
-            kc = [torch.randn(32, kvh, lmax, 64, generator=gen).to(dtype) for _ in range(4)]
-            mask = (torch.arange(lmax)[None, :] < ctx[:, None]).view(32, 1, 1, lmax)
-
-            def run(i: int, backend: str) -> None:
-                paged_attention(q, caches[2 * (i % 4)], caches[2 * (i % 4) + 1], tables, ctx, qsl, 0.125, 1,
-                                backend)
-
-            cpp = timed(lambda i: run(i, "cpp"), repeats)
-            ref = timed(lambda i: run(i, "reference"), max(3, repeats // 5))
-            sdpa = timed(lambda i: F.scaled_dot_product_attention(
-                q.view(32, heads, 1, 64), kc[i % 4], kc[(i + 1) % 4], attn_mask=mask, enable_gqa=True), repeats)
-            name = f"decode 32 seqs {heads}/{kvh}x64 ctx~U(100,1000)"
-            print(f"{name:<34}{str(dtype)[6:]:>6}{cpp:>9.2f}{ref:>11.2f}{sdpa:>13.2f}{cpp / sdpa:>10.2f}")
-    for heads, kvh in [(9, 3), (12, 12)]:
+            dense = [torch.randn(32, kv_heads, max(lens), 64, generator=gen).to(dtype) for _ in range(8)]
+            result = measure({"cpp": paged_fn(q, caches, tables, ctx, qsl, 1, "cpp"),
+                              "reference": paged_fn(q, caches, tables, ctx, qsl, 1, "reference"),
+                              "sdpa": sdpa_fn(q.view(32, heads, 1, 64), dense, mask)}, repeats)
+            rows.append((f"decode 32 seqs, ctx~U(100,1000), {heads}/{kv_heads}x64", dtype, result))
+    for heads, kv_heads in [(9, 3), (12, 12)]:
         for n in (512, 2048):
+            ctx = torch.tensor([n], dtype=torch.int32)
+            qsl = torch.tensor([0, n], dtype=torch.int32)
             for dtype in (torch.float32, torch.bfloat16):
-                tables, caches = paged([n], kvh, 64, dtype)
+                tables, caches = paged_inputs([n], kv_heads, dtype, layers=1)
                 q = torch.randn(n, heads, 64, generator=gen).to(dtype)
-                ctx = torch.tensor([n], dtype=torch.int32)
-                qsl = torch.tensor([0, n], dtype=torch.int32)
-                qc = q.transpose(0, 1).unsqueeze(0)
-                kc = torch.randn(1, kvh, n, 64, generator=gen).to(dtype)
+                dense = [torch.randn(1, kv_heads, n, 64, generator=gen).to(dtype) for _ in range(2)]
+                result = measure({"cpp": paged_fn(q, caches, tables, ctx, qsl, n, "cpp"),
+                                  "reference": paged_fn(q, caches, tables, ctx, qsl, n, "reference"),
+                                  "sdpa": sdpa_fn(q.transpose(0, 1).unsqueeze(0), dense, None)},
+                                 max(3, repeats * 256 // n))
+                rows.append((f"prefill {n} tokens, 1 seq, {heads}/{kv_heads}x64", dtype, result))
 
-                def run(i: int, backend: str) -> None:
-                    paged_attention(q, caches[0], caches[1], tables, ctx, qsl, 0.125, n, backend)
-
-                reps = max(3, repeats // (n // 256))
-                cpp = timed(lambda i: run(i, "cpp"), reps)
-                ref = timed(lambda i: run(i, "reference"), 3)
-                sdpa = timed(lambda i: F.scaled_dot_product_attention(qc, kc, kc, is_causal=True, enable_gqa=True),
-                             reps)
-                name = f"prefill {n} tokens {heads}/{kvh}x64"
-                print(f"{name:<34}{str(dtype)[6:]:>6}{cpp:>9.2f}{ref:>11.2f}{sdpa:>13.2f}{cpp / sdpa:>10.2f}")
+    print(f"torch threads={num_threads}; median ms per layer call; SDPA runs on a contiguous (non-paged) cache")
+    print("| case | dtype | cpp | reference | contiguous SDPA | cpp / SDPA |\n|---|---|---:|---:|---:|---:|")
+    for name, dtype, r in rows:
+        print(f"| {name} | {str(dtype)[6:]} | {r['cpp']:.2f} | {r['reference']:.2f} | {r['sdpa']:.2f} | "
+              f"{r['cpp'] / r['sdpa']:.2f} |")
 
 
 if __name__ == "__main__":
-    bench_attention()
+    import sys
+
+    bench_attention(num_threads=int(sys.argv[1]) if len(sys.argv) > 1 else 2)

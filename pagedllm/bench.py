@@ -66,8 +66,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
-    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['output_tokens_per_s']:.1f} output tokens/s, "
-          f"{result['total_tokens_per_s']:.1f} total tokens/s ({n_in} prompt + {n_out} output tokens in {elapsed:.1f} s)")
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+          f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
+          f"({n_in} prompt + {n_out} output tokens in {elapsed:.1f} s)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

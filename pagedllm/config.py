@@ -10,7 +10,7 @@ GIB = 1 << 30
 
 
 def parse_memory(value: int | float | str) -> int:
-    """Bytes from `4`, `4GiB`, `512MiB`, `0.5GB` or a plain number; bare numbers below 4096 mean GiB (like VLLM_CPU_KVCACHE_SPACE)."""
+    """Bytes from `4GiB`, `512MiB`, `0.5GB` or a number; numbers below 4096 mean GiB, like VLLM_CPU_KVCACHE_SPACE."""
     if isinstance(value, (int, float)):
         return int(value * GIB) if value < 4096 else int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", value)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from pagedllm.attention import is_fast_path_available
 from pagedllm.block_manager import BlockManager
 from pagedllm.config import EngineConfig
 from pagedllm.llama import LlamaModel
@@ -44,8 +45,12 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        if config.attention_backend != "reference":
+            is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, min(self.eos_token_ids, default=None))
+        eos = self.tokenizer.eos_token_id
+        self.runner = ModelRunner(model, num_blocks, config.block_size,
+                                  eos if eos is not None else next(iter(loaded.config.eos_token_ids), None))
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info("loaded %s (%s), %d KV blocks of %d tokens, max_model_len %d", self.model_name,
@@ -98,6 +103,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish("abort")
+        seq.metrics.finished_time = time.time()
         self._release(seq)
         return self._output(seq)
 

@@ -11,6 +11,8 @@ from pagedllm.attention import paged_attention, write_kv
 from pagedllm.layers import RotaryEmbedding, rms_norm, swiglu
 from pagedllm.loader import ModelConfig
 
+RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
+
 
 @dataclass
 class AttentionMetadata:
@@ -92,4 +94,11 @@ class LlamaModel:
         return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit
+        sizes, enough to tie or swap the top candidates, so the top few are recomputed in fp32 (S x k dot products)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        if self.dtype == torch.float32:
+            return logits
+        top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices
+        exact = torch.einsum("sd,skd->sk", hidden.float(), self.lm_head[top].float())
+        return logits.scatter_(1, top, exact)

@@ -29,7 +29,7 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. Prompts are text, token-id lists or {"prompt_token_ids": [...]}."""
+        """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}."""
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         ids: list[str] = []

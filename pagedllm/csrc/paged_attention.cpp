@@ -11,8 +11,9 @@
 // Vectors are GCC vector extensions (16 floats); with -march=native they compile to AVX-512 where present
 // and to narrower registers elsewhere. Work items go to threads dynamically, largest first.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; lighter to compile than torch/extension.h
 
 #include <algorithm>
 #include <atomic>
@@ -30,9 +31,9 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
-constexpr int64_t kTileChunk = 64;  // keys per softmax step in attend_tile
+constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)
 constexpr int64_t kTileRows = 64;   // target query rows (queries x heads of a group) per tile
-constexpr int kTB = 4;              // keys per QK micro-kernel step
+constexpr int kTB = 6;              // keys per QK micro-kernel step (6 x 4 accumulators)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -117,9 +118,10 @@ struct WorkItem {
   double cost;
 };
 
-// Per-thread buffers, grown on demand and reused across work items.
+// Per-thread buffers, sized once per call for the largest work item and reused across items.
 struct Scratch {
   std::vector<float> buf;
+  std::vector<int32_t> pos;  // attend_tile: position of each query row
   std::vector<const float*> krow, vrow;
   float* take(size_t n, size_t& off) {
     float* p = buf.data() + off;
@@ -393,7 +395,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   float* m = sc.take(Mp, off);
   float* l = sc.take(Mp, off);
   float* alpha = sc.take(Mp, off);
-  int32_t* pos = reinterpret_cast<int32_t*>(sc.take(Mp, off));
+  int32_t* pos = sc.pos.data();
   float* ST = sc.take(kTileChunk * Mp, off);
   float* kbuf = sc.take(kTileChunk * D, off);
   float* vbuf = sc.take(kTileChunk * D, off);
@@ -473,12 +475,13 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
 }
 
 template <typename kv_t>
-void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scratch_floats) {
+void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scratch_floats, size_t tile_rows) {
   std::atomic<size_t> next{0};
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     Scratch sc;
     sc.buf.resize(scratch_floats);
+    sc.pos.resize(tile_rows);
     sc.krow.resize(std::max(kRowsChunk, kTileChunk));
     sc.vrow.resize(std::max(kRowsChunk, kTileChunk));
     for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
@@ -492,12 +495,12 @@ void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scra
 
 }  // namespace
 
-// See pagedllm/attention.py:paged_attention for the contract. tile_min_queries: sequences with at least this
-// many queries in the step use the tiled (prefill) kernel, the others the row (decode) kernel.
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                              const torch::Tensor& query_start_loc, double scale, int64_t max_query_len,
-                              int64_t tile_min_queries) {
+// See pagedllm/attention.py:paged_attention for the contract. tile_min_rows: sequences with at least this many
+// query rows (queries x query heads per kv head) use the tiled (prefill) kernel, the others the row kernel.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& context_lens,
+                              const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
+                              int64_t tile_min_rows) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be 3-d, caches 4-d");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
@@ -520,7 +523,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(context_lens.numel() == S && query_start_loc.numel() == S + 1, "batch sizes disagree");
-  TORCH_CHECK(tile_min_queries >= 1, "tile_min_queries must be >= 1");
+  TORCH_CHECK(tile_min_rows >= 1, "tile_min_rows must be >= 1");
 
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
@@ -539,7 +542,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     TORCH_CHECK(nblocks <= MB, "sequence ", s, ": block table too short for context ", L);
     for (int64_t b = 0; b < nblocks; ++b)
       TORCH_CHECK(bt[s * MB + b] >= 0 && bt[s * MB + b] < NB, "sequence ", s, ": block id out of range");
-    if (n >= tile_min_queries) {
+    if (n * G >= tile_min_rows) {
       const int64_t qt = std::max<int64_t>(1, kTileRows / G);
       for (int64_t i0 = 0; i0 < n; i0 += qt) {
         const int64_t i1 = std::min(n, i0 + qt);
@@ -558,11 +561,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   // Too few tasks to keep every thread busy: give each kv head of a decode its own task.
   if (KVH > 1 && !row_items.empty() && int64_t(items.size()) < 4 * at::get_num_threads()) {
     for (int32_t idx : row_items) {
-      WorkItem& w = items[idx];
-      w.kv_end = 1;
-      w.cost /= KVH;
+      items[idx].kv_end = 1;
+      items[idx].cost /= KVH;
+      const WorkItem head0 = items[idx];  // a copy: push_back below may reallocate
       for (int64_t g = 1; g < KVH; ++g) {
-        WorkItem x = w;
+        WorkItem x = head0;
         x.kv_begin = int32_t(g);
         x.kv_end = int32_t(g + 1);
         items.push_back(x);
@@ -577,11 +580,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const size_t rows_floats = 2 * (NR * D + pad) + 3 * (NR + pad) + (NR * kRowsChunk + pad) + (span + pad) +
                              (kRowsChunk * span + pad);
   const size_t Mp = (tile_max_M + 15) / 16 * 16;
-  const size_t tile_floats = 2 * (Mp * D + pad) + 4 * (Mp + pad) + (kTileChunk * Mp + pad) +
+  const size_t tile_floats = 2 * (Mp * D + pad) + 3 * (Mp + pad) + (kTileChunk * Mp + pad) +
                              2 * (kTileChunk * D + pad) + (D + pad);
   const size_t scratch_floats = std::max(rows_floats, tile_floats);
 
-  auto out = torch::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (S == 0) return out.zero_();
   if (qsl[0] > 0) out.narrow(0, 0, qsl[0]).zero_();
   if (qsl[S] < T) out.narrow(0, qsl[S], T - qsl[S]).zero_();
@@ -593,16 +596,18 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
                            H, KVH, G, D, BS, MB, scale_log2};
-    run(P, items, scratch_floats);
+    run(P, items, scratch_floats, Mp);
   } else {
     const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
                                   qsl, H, KVH, G, D, BS, MB, scale_log2};
-    run(P, items, scratch_floats);
+    run(P, items, scratch_floats, Mp);
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache (CPU)");
+  // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
+  m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

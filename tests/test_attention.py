@@ -1,0 +1,234 @@
+"""Paged attention: the C++ kernel against the reference, the reference against dense causal attention."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm import attention
+from pagedllm.attention import is_fast_path_available, paged_attention, write_kv
+
+# (context_len, new tokens) per sequence: decodes, whole prompts, chunks after a cached prefix, contexts and
+# prefixes on block boundaries (16, 32, 48, 64), a context of one token, and chunks long enough for several
+# query tiles and key chunks of the tiled kernel.
+MIXED = [(17, 1), (32, 1), (1, 1), (48, 16), (16, 16), (100, 37), (5, 2), (64, 3), (230, 130), (129, 1)]
+MANY_DECODES = [(n, 1) for n in (3, 16, 31, 32, 33, 64, 65, 200, 7, 90, 128, 150, 11, 47, 300, 96)]
+
+ROWS, TILE, DEFAULT = 10**9, 1, attention._TILE_MIN_ROWS  # force the row kernel, the tiled one, or pick
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    keys: list[torch.Tensor]  # per sequence, contiguous [ctx, kv_heads, head_dim], as stored in the cache
+    values: list[torch.Tensor]
+
+    def run(self, backend: str = "reference", tile_min_rows: int | None = None) -> torch.Tensor:
+        args = (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.query_start_loc,
+                self.q.shape[-1] ** -0.5, self.max_query_len)
+        if tile_min_rows is not None:
+            return attention._cpp_attention(*args, tile_min_rows)
+        return paged_attention(*args, backend=backend)
+
+
+def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> Batch:
+    """Random K/V written through write_kv into blocks taken in random order; unused slots hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    nblocks = [math.ceil(ctx / block_size) for ctx, _ in specs]
+    num_blocks = sum(nblocks) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
+    block_tables = torch.zeros(len(specs), max(nblocks) + 1, dtype=torch.int32)  # one padding column
+    keys, values, taken = [], [], 0
+    for s, (ctx, _) in enumerate(specs):
+        blocks = order[taken : taken + nblocks[s]]
+        taken += nblocks[s]
+        block_tables[s, : len(blocks)] = blocks
+        pos = torch.arange(ctx)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        write_kv(k, v, k_cache, v_cache, slots)
+        keys.append(k.to(dtype))
+        values.append(v.to(dtype))
+    counts = torch.tensor([n for _, n in specs])
+    query_start_loc = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = counts.cumsum(0)
+    q = torch.randn(int(counts.sum()), num_heads, head_dim, generator=gen).to(dtype)
+    context_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
+    return Batch(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, int(counts.max()), keys, values)
+
+
+def dense_attention(b: Batch) -> torch.Tensor:
+    """Plain causal attention over each sequence's whole context on contiguous tensors (fp32)."""
+    out = []
+    starts = b.query_start_loc.tolist()
+    for s, (k, v) in enumerate(zip(b.keys, b.values, strict=True)):
+        ctx, n = k.shape[0], starts[s + 1] - starts[s]
+        q = torch.zeros(ctx, b.q.shape[1], b.q.shape[2])
+        q[ctx - n :] = b.q[starts[s] : starts[s + 1]].float()  # earlier positions: dummy queries, discarded
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+                                           is_causal=True, enable_gqa=True)
+        out.append(o.transpose(0, 1)[ctx - n :])
+    return torch.cat(out)
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def cpp() -> None:
+    if not is_fast_path_available():
+        pytest.skip(f"attention kernel did not build: {attention._ext_error}")
+
+
+def test_write_kv_puts_each_token_at_its_slot() -> None:
+    k_cache, v_cache = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([22, 3, 4, 17, 0])
+    write_kv(k, v, k_cache, v_cache, slots)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // 4, slot % 4], k[i])
+        assert torch.equal(v_cache[slot // 4, slot % 4], v[i])
+    assert k_cache.flatten(0, 1).abs().sum(dim=(1, 2)).count_nonzero() == 5  # nothing else written
+
+
+def test_write_kv_casts_to_the_cache_dtype() -> None:
+    k_cache, v_cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 1, 16)
+    write_kv(k, k, k_cache, v_cache, torch.tensor([5, 0], dtype=torch.int32))
+    assert torch.equal(k_cache[1, 1], k[0].bfloat16()) and torch.equal(v_cache[0, 0], k[1].bfloat16())
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2)])
+def test_reference_equals_dense_causal_attention(heads: tuple[int, int], block_size: int) -> None:
+    b = make_batch(MIXED, *heads, 32, block_size)
+    assert_close(b.run("reference"), dense_attention(b))
+
+
+@pytest.mark.parametrize("kernel", [ROWS, TILE, DEFAULT], ids=["rows", "tile", "default"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2)], ids=["gqa1", "gqa3", "gqa4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_equals_reference_on_mixed_batch(cpp: None, dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
+                                             block_size: int, kernel: int) -> None:
+    b = make_batch(MIXED, *heads, head_dim, block_size, dtype)
+    out = b.run(tile_min_rows=kernel)
+    assert out.dtype == dtype and out.shape == b.q.shape
+    assert_close(out, b.run("reference"))
+
+
+@pytest.mark.parametrize("specs", [[(1000, 1)], [(16, 16)], [(333, 333)], [(500, 300)], MANY_DECODES],
+                         ids=["one-long-decode", "one-block-prompt", "one-prompt", "one-chunk-after-prefix",
+                              "many-decodes"])
+@pytest.mark.parametrize("heads", [(12, 12), (9, 3)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_equals_reference_on_single_sequences_and_big_batches(cpp: None, dtype: torch.dtype,
+                                                                 heads: tuple[int, int], specs: list) -> None:
+    b = make_batch(specs, *heads, 64, 16, dtype)
+    assert_close(b.run("cpp"), b.run("reference"))
+
+
+def test_fp32_kernel_matches_dense_attention_tightly(cpp: None) -> None:
+    b = make_batch(MIXED + MANY_DECODES, 9, 3, 64, 16)
+    torch.testing.assert_close(b.run("cpp"), dense_attention(b), rtol=1e-5, atol=2e-6)
+
+
+def test_auto_backend_uses_the_kernel(cpp: None) -> None:
+    b = make_batch(MIXED, 6, 2, 64, 16)
+    assert torch.equal(b.run("auto"), b.run("cpp"))
+
+
+def test_cpp_accepts_strided_queries_and_mixed_dtypes(cpp: None) -> None:
+    b = make_batch(MIXED, 6, 2, 64, 16)
+    qkv = torch.randn(b.q.shape[0], 10, 64)
+    qkv[:, :6] = b.q  # q as a view into a fused projection output
+    strided = Batch(**{**b.__dict__, "q": qkv[:, :6]})
+    assert_close(strided.run("cpp"), b.run("reference"))
+    bf16_cache = make_batch(MIXED, 6, 2, 64, 16, torch.bfloat16)
+    fp32_q = Batch(**{**bf16_cache.__dict__, "q": bf16_cache.q.float()})
+    out = fp32_q.run("cpp")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_skips_sequences_without_queries(cpp: None) -> None:
+    b = make_batch([(20, 1), (40, 3), (9, 1)], 4, 2, 32, 16)
+    qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32)  # the middle sequence has no new tokens this step
+    skipped = Batch(**{**b.__dict__, "q": b.q[[0, 4]], "query_start_loc": qsl})
+    assert_close(skipped.run("cpp"), skipped.run("reference"))
+
+
+def test_cpp_rejects_bad_block_tables(cpp: None) -> None:
+    b = make_batch([(20, 1)], 4, 2, 32, 16)
+    b.block_tables[0, 1] = b.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        b.run("cpp")
+    b = make_batch([(20, 1)], 4, 2, 32, 16)
+    b.context_lens[0] = 100  # needs 7 blocks; its table row holds 3
+    with pytest.raises(RuntimeError, match="block table too short"):
+        b.run("cpp")
+
+
+def test_auto_falls_back_to_reference_with_a_warning_for_unsupported_shapes() -> None:
+    b = make_batch([(20, 1), (12, 12)], 4, 2, 40, 16)  # head_dim 40 is not a multiple of 16
+    with pytest.warns(RuntimeWarning, match="head_dim 40"):
+        out = b.run("auto")
+    assert torch.equal(out, b.run("reference"))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        b.run("cuda")
+
+
+def test_failed_build_falls_back_to_reference_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error no compiler here\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(attention, "_SOURCE", broken)
+    monkeypatch.setattr(attention, "_ext", None)
+    monkeypatch.setattr(attention, "_ext_error", None)
+    monkeypatch.setattr(attention, "_warned", set())
+    b = make_batch([(20, 1), (12, 12)], 4, 2, 32, 16)
+    assert not is_fast_path_available()
+    with pytest.warns(RuntimeWarning, match="kernel build failed"):
+        out = b.run("auto")
+    assert torch.equal(out, b.run("reference"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b.run("auto")  # warned once only
+    with pytest.raises(RuntimeError, match="failed to build"):
+        b.run("cpp")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
+       head_dim=st.sampled_from([16, 32, 64]), block_size=st.sampled_from([1, 2, 5, 16]),
+       kernel=st.sampled_from([ROWS, TILE, DEFAULT]))
+def test_cpp_equals_reference_on_random_shapes(data: st.DataObject, num_kv_heads: int, group: int, head_dim: int,
+                                               block_size: int, kernel: int) -> None:
+    if not is_fast_path_available():
+        pytest.skip("attention kernel did not build")
+    contexts = data.draw(st.lists(st.integers(1, 80), min_size=1, max_size=5))
+    specs = [(ctx, data.draw(st.integers(1, ctx))) for ctx in contexts]
+    b = make_batch(specs, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=len(specs))
+    assert_close(b.run(tile_min_rows=kernel), b.run("reference"))
