@@ -7,7 +7,6 @@ the requested dtype, and a `Tokenizer`. GGUF tensors are dequantized once at loa
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import Tokenizer, read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -165,10 +164,10 @@ def _check_weights(
 
 
 def _load_hf_folder(path: str, dtype: torch.dtype) -> LoadedModel:
-    hf_config = _read_json(os.path.join(path, "config.json"))
+    hf_config = read_json(os.path.join(path, "config.json"))
     if hf_config is None:
         raise FileNotFoundError(f"no config.json in model folder {path}")
-    generation_config = _read_json(os.path.join(path, "generation_config.json")) or {}
+    generation_config = read_json(os.path.join(path, "generation_config.json")) or {}
     _hf_architecture(hf_config, path)  # an unsupported model fails on that, before anything else
     tokenizer = Tokenizer.from_dir(path)
     config = _config_from_hf(hf_config, generation_config, tokenizer, path)
@@ -243,7 +242,7 @@ def _read_safetensors(path: str, wanted: set[str], dtype: torch.dtype) -> dict[s
     """Read the wanted tensors from a folder's *.safetensors (single file or sharded with an index)."""
     from safetensors import safe_open
 
-    index = _read_json(os.path.join(path, "model.safetensors.index.json"))
+    index = read_json(os.path.join(path, "model.safetensors.index.json"))
     if index is not None:
         files = sorted(set(index["weight_map"].values()))
     else:
@@ -508,11 +507,3 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e

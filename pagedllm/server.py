@@ -297,6 +297,14 @@ async def collect(streams: list[RequestStream]) -> list[CompletionOutput]:
     return [f for f in finals if f is not None]
 
 
+async def collect_unless_disconnected(raw: Request, streams: list[RequestStream]) -> list[CompletionOutput] | None:
+    """Every choice's final output, or None when the client left first (its requests are aborted either way)."""
+    try:
+        return await unless_disconnected(raw, collect(streams))
+    finally:
+        cancel_all(streams)
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work` unless the client hangs up first; then cancel it (aborting its requests), return None."""
     task = asyncio.ensure_future(work)
@@ -416,10 +424,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         streams = submit_choices(ctx.engine, request_id, prompts, params, req.n)
     if req.stream:
         return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams)
-    try:
-        finals = await unless_disconnected(raw, collect(streams))
-    finally:
-        cancel_all(streams)
+    finals = await collect_unless_disconnected(raw, streams)
     if finals is None:
         return Response(status_code=499)
     choices = [CompletionChoice(index=i, text=echoes[i // req.n] + c.text, **finish_fields(c),
@@ -519,10 +524,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         streams = submit_choices(ctx.engine, request_id, [prompt], params, req.n)
     if req.stream:
         return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams)
-    try:
-        finals = await unless_disconnected(raw, collect(streams))
-    finally:
-        cancel_all(streams)
+    finals = await collect_unless_disconnected(raw, streams)
     if finals is None:
         return Response(status_code=499)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), **finish_fields(c),

@@ -95,7 +95,7 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(tokenizer_file)
         except Exception as e:
             raise ValueError(f"cannot read tokenizer {tokenizer_file}: {e}") from e
-        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        config = read_json(os.path.join(path, "tokenizer_config.json")) or {}
 
         bos_token_id = _token_id(backend, config.get("bos_token"))
         eos_token_id = _token_id(backend, config.get("eos_token"))
@@ -437,7 +437,8 @@ def _token_id(backend: BackendTokenizer, token: Any) -> int | None:
     return None if token is None else backend.token_to_id(token)
 
 
-def _read_json(path: str) -> dict | None:
+def read_json(path: str) -> dict | None:
+    """A JSON file's contents, None when it is absent, ValueError naming it when it is unreadable."""
     if not os.path.isfile(path):
         return None
     try:
