@@ -45,7 +45,6 @@ class SamplingParams:
         """Reject values that make no sense before they reach the scheduler."""
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.n <= 1, "n > 1 (parallel sampling) is not supported yet"),
             (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),

@@ -13,7 +13,7 @@ from pagedllm.block_pool import BlockPool, NoFreeBlocksError
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
-from pagedllm.sequence import Sequence
+from pagedllm.sequence import Sequence, SequenceGroup
 
 
 def make_seq(rid: str, prompt_len: int, max_tokens: int) -> Sequence:
@@ -59,17 +59,22 @@ class Sim:
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
         self.budget = budget
         self.max_num_seqs = max_num_seqs
-        self.finished: dict[str, Sequence] = {}
-        self.live: dict[str, Sequence] = {}
+        self.finished: dict[str, SequenceGroup] = {}
+        self.live: dict[str, SequenceGroup] = {}
+        self.next_token = lambda seq: 7
 
-    def add(self, seq: Sequence) -> None:
-        self.live[seq.request_id] = seq
-        self.sched.add(seq)
+    def add(self, seq: Sequence) -> SequenceGroup:
+        group = SequenceGroup.make(seq)
+        self.live[seq.request_id] = group
+        self.sched.add(group)
+        return group
 
     def abort(self, rid: str) -> None:
-        seq = self.live.pop(rid)
-        seq.finish("abort")
-        self.sched.finish(seq)
+        group = self.live.pop(rid)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish("abort")
+        self.sched.finish(group)
 
     def step(self) -> None:
         plan = self.sched.schedule()
@@ -77,19 +82,21 @@ class Sim:
         assert len(self.sched.running) <= self.max_num_seqs
         assert len({id(s.seq) for s in plan.scheduled}) == len(plan.scheduled)
         for s in plan.scheduled:
-            table = self.bm.block_tables[s.seq.request_id]
+            table = self.bm.block_tables[s.seq.seq_id]
             assert len(table) == blocks_for(s.start + s.num_new_tokens, self.bm.block_size)  # no block early
             assert s.num_new_tokens >= 1
+        self.sched.commit(plan)
         for s in plan.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                s.seq.append_token(7, 0.0)
-                if s.seq.num_output_tokens >= s.seq.max_tokens:
-                    s.seq.finish("length")
-                    self.sched.finish(s.seq)
-                    self.finished[s.seq.request_id] = self.live.pop(s.seq.request_id)
+            for seq in s.samplers:
+                seq.append_token(self.next_token(seq), 0.0)
+                if seq.num_output_tokens >= seq.max_tokens:
+                    seq.finish("length")
+                group = self.live[seq.request_id]
+                self.sched.finish(group)
+                if group.is_finished:
+                    self.finished[seq.request_id] = self.live.pop(seq.request_id)
         self.bm.check()
-        used = sum(len(t) for t in self.bm.block_tables.values())
+        used = len({b for t in self.bm.block_tables.values() for b in t})  # shared blocks count once
         assert self.bm.num_free_blocks + used == self.bm.num_total_blocks
 
 
@@ -121,23 +128,23 @@ def test_random_workload_keeps_invariants_and_finishes_everything(block_size, nu
         sim.step()
     assert not sim.sched.has_unfinished(), "requests were left behind (livelock or lost request)"
     assert sim.bm.num_free_blocks == num_blocks
-    for rid, seq in sim.finished.items():
-        assert seq.num_output_tokens == seq.max_tokens, rid
+    for rid, group in sim.finished.items():
+        assert all(seq.num_output_tokens == seq.max_tokens for seq in group.seqs), rid
 
 
 def test_preemption_frees_newest_and_requeues_at_front():
     sim = Sim(num_blocks=4, block_size=4, max_num_seqs=4, budget=64)
     old, new = make_seq("old", 6, 8), make_seq("new", 6, 8)  # 14 tokens each: one fits the pool, two don't
     sim.add(old)
-    sim.add(new)
+    new_group = sim.add(new)
     sim.step()  # both prefill: 2 blocks each, pool now full
     assert sim.bm.num_free_blocks == 0
     for _ in range(2):  # both fill their second block (tokens 7, 8)
         sim.step()
     sim.step()  # "old" needs a third block: "new" is preempted
     assert new.num_preemptions == 1 and old.num_preemptions == 0
-    assert sim.sched.waiting[0] is new and new.num_computed_tokens == 0
-    assert "new" not in sim.bm.block_tables
+    assert sim.sched.waiting[0] is new_group and new.num_computed_tokens == 0
+    assert new.seq_id not in sim.bm.block_tables
     for _ in range(100):
         if sim.sched.has_unfinished():
             sim.step()
