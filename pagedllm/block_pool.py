@@ -34,6 +34,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # hash -> block
         self.contents: dict[int, BlockContent] = {}  # block -> its registered contents
         self._cids = itertools.count()
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -53,8 +54,10 @@ class BlockPool:
             raise NoFreeBlocksError("the KV block pool is empty")
         block_id, _ = self.free.popitem(last=False)
         content = self.contents.pop(block_id, None)
-        if content is not None and self.cached.get(content.hash) == block_id:
-            del self.cached[content.hash]
+        if content is not None:
+            self.num_evictions += 1
+            if self.cached.get(content.hash) == block_id:
+                del self.cached[content.hash]
         self.ref_counts[block_id] = 1
         return block_id
 
