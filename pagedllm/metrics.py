@@ -117,7 +117,7 @@ class EngineStats:
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         progress = self._progress.setdefault(out.request_id, _Progress())
-        num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)  # all n samples of the request
         new_tokens = num_tokens - progress.num_tokens
         m = out.metrics
         if new_tokens > 0:

@@ -232,19 +232,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
 
 def submit_choices(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                    n: int) -> list[RequestStream]:
-    """One engine request per (prompt, sample); choice index = prompt * n + sample.
-
-    n > 1 is emulated with n independent requests `{id}-{i}` (seed + i when seeded) until the engine samples
-    in parallel over shared prompt blocks (issue 3); then this becomes one request per prompt.
-    """
+    """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
+    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i)."""
     engine.check_admission()
     streams: list[RequestStream] = []
     try:
         for p, ids in enumerate(prompts):
-            for i in range(n):
-                seed = None if params.seed is None else params.seed + i
-                sub_id = request_id if len(prompts) * n == 1 else f"{request_id}-{p * n + i}"
-                streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, seed=seed)))
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, n=n)))
     except BaseException:
         cancel_all(streams)
         raise
@@ -288,12 +283,23 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             task.cancel()
 
 
-async def collect(streams: list[RequestStream]) -> list[CompletionOutput]:
+async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """Each choice's completion whenever it moved (tokens, text or finish); choice index = stream * n + sample."""
+    seen: dict[int, tuple[int, int, str | None]] = {}
+    async for p, out in merge_streams(streams):
+        for c in out.outputs:
+            i, state = p * len(out.outputs) + c.index, (len(c.token_ids), len(c.text), c.finish_reason)
+            if seen.get(i) != state:
+                seen[i] = state
+                yield i, c
+
+
+async def collect(streams: list[RequestStream], n: int) -> list[CompletionOutput]:
     """The final output of every choice, in choice order."""
-    finals: list[CompletionOutput | None] = [None] * len(streams)
+    finals: list[CompletionOutput | None] = [None] * (len(streams) * n)
     with engine_errors():
-        async for i, out in merge_streams(streams):
-            finals[i] = out.outputs[0]
+        async for i, c in merge_choices(streams):
+            finals[i] = c
     return [f for f in finals if f is not None]
 
 
@@ -417,7 +423,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     if req.stream:
         return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams)
     try:
-        finals = await unless_disconnected(raw, collect(streams))
+        finals = await unless_disconnected(raw, collect(streams, req.n))
     finally:
         cancel_all(streams)
     if finals is None:
@@ -444,11 +450,11 @@ class ChoiceProgress:
 
 async def completion_events(req: CompletionRequest, request_id: str, model: str, prompts: list[list[int]],
                             echoes: list[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    sent = [ChoiceProgress() for _ in streams]
+    sent = [ChoiceProgress() for _ in range(len(streams) * req.n)]
     created = now()
     try:
-        async for i, out in merge_streams(streams):
-            c, progress = out.outputs[0], sent[i]
+        async for i, c in merge_choices(streams):
+            progress = sent[i]
             delta = c.text[progress.text_len:]
             if not (delta or c.finish_reason or (req.logprobs is not None and progress.behind(c))):
                 continue
@@ -520,7 +526,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     if req.stream:
         return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams)
     try:
-        finals = await unless_disconnected(raw, collect(streams))
+        finals = await unless_disconnected(raw, collect(streams, req.n))
     finally:
         cancel_all(streams)
     if finals is None:
@@ -540,12 +546,12 @@ async def chat_events(req: ChatCompletionRequest, request_id: str, model: str, p
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                        usage=usage_info))
 
-    sent = [ChoiceProgress() for _ in streams]
+    sent = [ChoiceProgress() for _ in range(req.n)]
     try:
-        for i in range(len(streams)):  # the role first, as OpenAI does, before any token is ready
+        for i in range(req.n):  # the role first, as OpenAI does, before any token is ready
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        async for i, out in merge_streams(streams):
-            c, progress = out.outputs[0], sent[i]
+        async for i, c in merge_choices(streams):
+            progress = sent[i]
             delta = c.text[progress.text_len:]
             if not (delta or c.finish_reason or (top_n is not None and progress.behind(c))):
                 continue
