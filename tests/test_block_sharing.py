@@ -8,7 +8,7 @@ import random
 import pytest
 from test_engine import assert_matches_reference, greedy, hf_greedy
 
-from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm import LLM, BeamSearchParams, LLMEngine, SamplingParams
 from pagedllm.config import EngineConfig
 
 MAX_TOKENS = 8
@@ -145,3 +145,27 @@ def test_random_groups_keep_block_invariants(tiny_model_dir):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     assert engine.stats().preemptions > 0 and engine.stats().cow_copies > 0
+
+
+def test_beam_search_width_one_is_greedy_and_beams_share_blocks(tiny_model_dir, shared_reference):
+    prompts = shared_reference[0][:3]
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=128, block_size=BLOCK_SIZE)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0), use_tqdm=False)
+    as_prompts = [{"prompt_token_ids": p} for p in prompts]
+    narrow = llm.beam_search(as_prompts, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))
+    for p, out, beam in zip(prompts, plain, narrow):
+        (seq,) = beam.sequences
+        assert seq.tokens == p + out.outputs[0].token_ids
+        assert seq.cum_logprob == pytest.approx(out.outputs[0].cumulative_logprob, abs=1e-4)
+        assert seq.text == out.outputs[0].text
+    hits = llm.engine.stats().prefix_cache_hits
+    wide = llm.beam_search(as_prompts, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    for p, beam in zip(prompts, wide):
+        seqs = beam.sequences
+        assert len({tuple(s.tokens) for s in seqs}) == 3
+        assert all(s.tokens[:len(p)] == p and len(s.tokens) == len(p) + 6 for s in seqs)
+        scores = [s.cum_logprob for s in seqs]
+        assert scores == sorted(scores, reverse=True)
+    assert llm.engine.stats().prefix_cache_hits > hits  # the beams' common prefixes came from the cache
+    assert llm.engine.block_manager.num_free_blocks == 128
