@@ -169,3 +169,14 @@ def test_beam_search_width_one_is_greedy_and_beams_share_blocks(tiny_model_dir, 
         assert scores == sorted(scores, reverse=True)
     assert llm.engine.stats().prefix_cache_hits > hits  # the beams' common prefixes came from the cache
     assert llm.engine.block_manager.num_free_blocks == 128
+
+
+def test_prefix_caching_flag():
+    import argparse
+
+    from pagedllm.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).enable_prefix_caching
+    assert not engine_config(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
