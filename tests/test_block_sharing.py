@@ -180,3 +180,17 @@ def test_prefix_caching_flag():
     add_engine_args(parser)
     assert engine_config(parser.parse_args([])).enable_prefix_caching
     assert not engine_config(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+
+
+def test_groups_that_cannot_run_are_rejected_and_the_rest_fit_the_pool(tiny_model_dir):
+    """n samples must fit the pool even unshared (a group alone always runs): longer ones are refused up front,
+    and max_tokens is capped to what fits."""
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=8, block_size=4, max_num_seqs=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.generate([1, 2, 3], SamplingParams(n=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="do not fit"):
+        llm.generate([[7] * 9], SamplingParams(n=4), use_tqdm=False)
+    (out,) = llm.generate([[7, 8, 9, 10, 11]], SamplingParams(n=4, max_tokens=None, temperature=1.0,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [3] * 4  # 8 blocks // 4 samples = 8 tokens each
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_free_blocks == 8
