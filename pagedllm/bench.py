@@ -64,6 +64,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "output_tokens_per_s": round(n_out / elapsed, 1),
         "total_tokens_per_s": round((n_in + n_out) / elapsed, 1),
         "num_preemptions": llm.engine.scheduler.num_preemptions,
+        "prefix_cache_hits": llm.engine.stats().prefix_cache_hits,
+        "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "

@@ -1,8 +1,10 @@
-"""Block tables: which physical blocks hold each sequence's tokens, grown a block at a time."""
+"""Block tables: which physical blocks hold each sequence's tokens; sharing, copy-on-write and the prefix cache."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from pagedllm.block_pool import BlockPool
 
@@ -11,13 +13,40 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """A full block's identity, chained with its parent's so equal hashes mean equal prefixes (collisions aside)."""
+    return hash((parent_hash, tokens))
+
+
+@dataclass
+class Prefix:
+    """The cached full blocks a new sequence can start from, and their hashes."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Write:
+    """A sequence about to compute tokens [start, end); `prefix` only for a sequence that has no table yet."""
+
+    seq_id: Hashable
+    start: int
+    end: int
+    prefix: Prefix = field(default_factory=Prefix)
+
+
 class BlockManager:
     """Maps sequence ids to lists of physical blocks; a new block is taken only when the last one is full."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.block_hashes: dict[Hashable, list[int]] = {}  # hashes of the table's registered full blocks
+        self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs not yet handed to the runner
+        self.num_cow_copies = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -27,32 +56,108 @@ class BlockManager:
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def new_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """Blocks to take so that the sequence's table covers `num_tokens` tokens."""
-        have = len(self.block_tables.get(seq_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
+    # ---- prefix cache -----------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> Prefix:
+        """The longest run of cached full blocks of `token_ids`, leaving at least the last token to compute."""
+        prefix = Prefix()
+        if not self.enable_prefix_caching:
+            return prefix
+        bs, parent_hash, parent_cid = self.block_size, None, -1
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(parent_hash, tokens)
+            block_id = self.pool.lookup(block_hash, (parent_cid, tokens))
+            if block_id is None:
+                break
+            prefix.blocks.append(block_id)
+            prefix.hashes.append(block_hash)
+            parent_hash, parent_cid = block_hash, self.pool.contents[block_id].cid
+        return prefix
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        return self.new_blocks_needed(seq_id, num_tokens) <= self.pool.num_free
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the blocks that the last step filled, so later sequences can find them."""
+        if not self.enable_prefix_caching:
+            return
+        table, hashes, bs = self.block_tables[seq_id], self.block_hashes.setdefault(seq_id, []), self.block_size
+        for i in range(len(hashes), num_computed // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(hashes[-1] if hashes else None, tokens)
+            parent_cid = self.pool.contents[table[i - 1]].cid if i else -1
+            self.pool.register(table[i], block_hash, (parent_cid, tokens))
+            hashes.append(block_hash)
 
-    def allocate(self, seq_id: str, num_tokens: int) -> None:
-        """Grow the sequence's table to cover `num_tokens` tokens (a prompt chunk or a decode token)."""
+    # ---- allocation -------------------------------------------------------------------------------
+    def blocks_needed(self, writes: list[Write]) -> int:
+        """Free blocks that `allocate` will consume for these writes: new blocks, revived cached blocks, copies."""
+        revived = {b for w in writes for b in w.prefix.blocks if self.pool.ref_counts[b] == 0}
+        grow = sum(max(0, blocks_for(w.end, self.block_size) - len(self.block_tables.get(w.seq_id) or w.prefix.blocks))
+                   for w in writes)
+        shared = Counter(b for w in writes if (b := self._written_block(w.seq_id, w.start)) is not None
+                         and self.pool.ref_counts[b] > 1)
+        copies = sum(k - (self.pool.ref_counts[b] == k) for b, k in shared.items())  # the last sharer writes in place
+        return len(revived) + grow + copies
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int, start: int = 0) -> bool:
+        return self.blocks_needed([Write(seq_id, start, num_tokens)]) <= self.pool.num_free
+
+    def share_prefix(self, seq_id: Hashable, prefix: Prefix) -> None:
+        """Start a new sequence's table with cached blocks (one more reference each)."""
+        assert seq_id not in self.block_tables
+        for block_id in prefix.blocks:
+            self.pool.incref(block_id)
+        self.block_tables[seq_id] = list(prefix.blocks)
+        self.block_hashes[seq_id] = list(prefix.hashes)
+
+    def allocate(self, seq_id: Hashable, num_tokens: int, start: int = 0) -> None:
+        """Make tokens [start, num_tokens) writable: grow the table, and copy a shared block written into."""
         table = self.block_tables.setdefault(seq_id, [])
-        for _ in range(self.new_blocks_needed(seq_id, num_tokens)):
+        for _ in range(blocks_for(num_tokens, self.block_size) - len(table)):
             table.append(self.pool.take())
+        self.copy_on_write(seq_id, start)
 
-    def append_slot(self, seq_id: str, num_tokens: int) -> None:
+    def append_slot(self, seq_id: Hashable, num_tokens: int) -> None:
         """Room for one more token after `num_tokens - 1` stored ones (decode)."""
-        self.allocate(seq_id, num_tokens)
+        self.allocate(seq_id, num_tokens, num_tokens - 1)
 
-    def free(self, seq_id: str) -> None:
-        """Return every block of the sequence; tail first, so the free list reuses hot blocks last."""
+    def copy_on_write(self, seq_id: Hashable, position: int) -> None:
+        """Before a write at `position` into a block others share, give this sequence its own copy."""
+        src = self._written_block(seq_id, position)
+        if src is None or self.pool.ref_counts[src] == 1:
+            return
+        dst = self.pool.take()
+        self.pool.release(src)
+        self.block_tables[seq_id][position // self.block_size] = dst
+        self.copies.append((src, dst))
+        self.num_cow_copies += 1
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child shares every block of the parent."""
+        table = self.block_tables[parent_id]
+        for block_id in table:
+            self.pool.incref(block_id)
+        self.block_tables[child_id] = list(table)
+        self.block_hashes[child_id] = list(self.block_hashes.get(parent_id, []))
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return every block of the sequence; tail first, so the LRU evicts a sequence's tail before its head."""
+        self.block_hashes.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             self.pool.release(block_id)
 
-    def slot(self, seq_id: str, position: int) -> int:
+    def take_copies(self) -> list[tuple[int, int]]:
+        """This step's copy-on-write pairs, for the model runner to perform before the forward."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _written_block(self, seq_id: Hashable, position: int) -> int | None:
+        """The existing block a write at `position` lands in (None if it needs a new block)."""
+        table = self.block_tables.get(seq_id, [])
+        index = position // self.block_size
+        return table[index] if index < len(table) else None
 
     def check(self) -> None:
         """DESIGN.md's invariants: each ref count equals the number of tables holding the block."""

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="random seed (for generate: the request's own seed)")
 
 

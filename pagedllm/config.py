@@ -46,6 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     threads: int | None = None  # torch intra-op threads; default: all cores
     attention_backend: str = "auto"  # auto | cpp | reference
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

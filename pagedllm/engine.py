@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,10 +18,22 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from pagedllm.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
-from pagedllm.sequence import Sequence
+from pagedllm.sequence import Sequence, SequenceGroup
 from pagedllm.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class EngineCounters:
+    """What the engine did with its KV blocks so far (prefix cache figures are in tokens)."""
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    blocks_in_use: int
+    blocks_cached_free: int
+    cow_copies: int
+    preemptions: int
 
 
 class LLMEngine:
@@ -43,7 +56,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         self.max_model_len = self._max_model_len(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
@@ -51,8 +64,8 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   eos if eos is not None else next(iter(loaded.config.eos_token_ids), None))
-        self.seqs: dict[str, Sequence] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
         logger.info("loaded %s (%s), %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                     config.torch_dtype_name, num_blocks, config.block_size, self.max_model_len)
 
@@ -86,29 +99,51 @@ class LLMEngine:
                     arrival_time: float | None = None) -> Sequence:
         """Validate and queue a request; bad input raises ValueError and never reaches the scheduler."""
         params = params or SamplingParams()
-        if request_id in self.seqs:
+        if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         ids = self.tokenize_prompt(prompt)
-        room = self.max_model_len - len(ids)
+        room = self._seq_len_limit(params.n) - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
-        self.seqs[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.scheduler.add(seq)
+        group = SequenceGroup.make(seq)
+        self.groups[request_id] = group
+        for s in group.seqs:
+            self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add(group)
         return seq
+
+    def _seq_len_limit(self, n: int) -> int:
+        """Tokens per sample such that the n samples fit in the pool even unshared, so a group alone always runs."""
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_total_blocks // n * bm.block_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        group = self.groups.get(request_id)
+        if group is None:
             return None
-        seq.finish("abort")
-        seq.metrics.finished_time = time.time()
-        self._release(seq)
-        return self._output(seq)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish("abort")
+        self._release_finished(group)
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def seqs(self) -> dict[str, SequenceGroup]:
+        """The requests in flight, by request id."""
+        return self.groups
+
+    def stats(self) -> EngineCounters:
+        pool = self.block_manager.pool
+        return EngineCounters(self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits, pool.num_used,
+                              pool.num_cached_free, self.block_manager.num_cow_copies, self.scheduler.num_preemptions)
 
     @property
     def num_running(self) -> int:
@@ -128,14 +163,19 @@ class LLMEngine:
         for s in plan.scheduled:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
         sampled = self.runner.execute(plan, self.block_manager.block_tables)
-        for s in plan.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-        sampling = [s.seq for s in plan.scheduled if s.samples]
+        self.scheduler.commit(plan)
+        sampling = [seq for s in plan.scheduled for seq in s.samplers]
         if sampled is None:
             return []
-        return [self._process_token(seq, sampled, i) for i, seq in enumerate(sampling)]
+        touched: dict[str, SequenceGroup] = {}
+        for row, seq in enumerate(sampling):
+            self._process_token(seq, sampled, row)
+            touched.setdefault(seq.request_id, self.groups[seq.request_id])
+        for group in touched.values():
+            self._release_finished(group)
+        return [self._output(group) for group in touched.values()]
 
-    def _process_token(self, seq: Sequence, sampled: SamplerOutput, row: int) -> RequestOutput:
+    def _process_token(self, seq: Sequence, sampled: SamplerOutput, row: int) -> None:
         token = int(sampled.token_ids[row])
         seq.append_token(token, float(sampled.logprobs[row]))
         if seq.logprobs is not None:
@@ -145,15 +185,11 @@ class LLMEngine:
         if self._is_stop_token(seq, token):  # its text is not part of the output
             seq.finish("stop", token if token in seq.params.stop_token_ids else None)
         else:
-            delta = self.detokenizers[seq.request_id].step([token])
+            delta = self.detokenizers[seq.seq_id].step([token])
             seq.output_text += delta
             self._check_stop_strings(seq, len(delta))
         if not seq.is_finished and (seq.num_output_tokens >= seq.max_tokens):
             seq.finish("length")
-        if seq.is_finished:
-            seq.metrics.finished_time = now
-            self._release(seq)
-        return self._output(seq)
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         p = seq.params
@@ -186,23 +222,32 @@ class LLMEngine:
                 entry.setdefault(tid, Logprob(val, rank, decode([tid], skip_special_tokens=False)))
         return entry
 
-    def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.runner.release(seq.request_id)
-        self.seqs.pop(seq.request_id, None)
-        self.detokenizers.pop(seq.request_id, None)
+    def _release_finished(self, group: SequenceGroup) -> None:
+        """Blocks, generators and detokenizers of finished samples go at once; the group when all are done."""
+        self.scheduler.finish(group)
+        for seq in group.seqs:
+            if seq.is_finished:
+                self.runner.release(seq.seq_id)
+                self.detokenizers.pop(seq.seq_id, None)
+        if group.is_finished:
+            group.seqs[0].metrics.finished_time = time.time()
+            self.groups.pop(group.request_id, None)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        first = group.seqs[0]
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids,
+                             [self._completion(seq) for seq in group.seqs], group.is_finished, first.metrics)
+
+    @staticmethod
+    def _completion(seq: Sequence) -> CompletionOutput:
         text = seq.output_text
         holdback = max((len(s) for s in seq.params.stop_list), default=1) - 1
         if not seq.is_finished and holdback:
             text = text[:max(0, len(text) - holdback)]  # a stop string may still complete here
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(seq.output_token_ids),
+        return CompletionOutput(
+            index=seq.index, text=text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs and list(seq.logprobs),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.metrics)
 
     def check_invariants(self) -> None:
         self.block_manager.check()

@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
@@ -51,6 +51,52 @@ class LLM:
         texts = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: every step, each live beam is a one-token request asking for its top 2 * width
+        logprobs; the prefix cache shares the beams' common blocks (ref counts), so a beam that forks costs only
+        its last partial block, and a beam that dies just lets its blocks go."""
+        eos = self.get_tokenizer().eos_token_id
+        step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width,
+                                     ignore_eos=True)
+        beams = [[BeamSearchSequence(self._prompt_ids(p))] for p in self._as_prompt_list(prompts)]
+        done: list[list[BeamSearchSequence]] = [[] for _ in beams]
+        starts = [len(b[0].tokens) for b in beams]
+        for _ in range(params.max_tokens):
+            live = [beam for group in beams for beam in group]
+            if not live:
+                break
+            outs = iter(self.generate([{"prompt_token_ids": b.tokens} for b in live], step_params, use_tqdm=False))
+            for i, group in enumerate(beams):
+                candidates = []
+                for beam in group:
+                    for token, lp in next(outs).outputs[0].logprobs[0].items():
+                        new = BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + lp.logprob)
+                        if token == eos and not params.ignore_eos:
+                            new.finished = True
+                            done[i].append(new)
+                        else:
+                            candidates.append(new)
+                candidates.sort(key=lambda b: self._beam_score(b, params.length_penalty), reverse=True)
+                beams[i] = candidates[:params.beam_width]
+        tok = self.get_tokenizer()
+        results = []
+        for start, group, finished in zip(starts, beams, done):
+            best = sorted(finished + group, key=lambda b: self._beam_score(b, params.length_penalty), reverse=True)
+            for beam in best[:params.beam_width]:
+                beam.text = tok.decode(beam.tokens[start:])
+            results.append(BeamSearchOutput(best[:params.beam_width]))
+        return results
+
+    @staticmethod
+    def _beam_score(beam: BeamSearchSequence, length_penalty: float) -> float:
+        """vLLM's: cumulative logprob over (length, EOS excluded) ** length_penalty, the length counting the prompt."""
+        return beam.cum_logprob / ((len(beam.tokens) - beam.finished) ** length_penalty)
+
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            return list(prompt["prompt_token_ids"])
+        return self.engine.tokenize_prompt(prompt)
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         request_id = str(self._counter)

@@ -75,6 +75,7 @@ class EngineStats:
                                             LATENCY_BUCKETS)
         self._progress: dict[str, _Progress] = {}
         self._seen_preemptions = 0
+        self._seen_prefix_cache = (0, 0)  # the scheduler's (queries, hits) token counts at the last record
         self._peak_running = 0
         self._idle = True
         self._start_interval(time.monotonic())
@@ -98,6 +99,7 @@ class EngineStats:
         if preemptions > self._seen_preemptions:
             self.num_preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions
+        self._record_prefix_cache_delta(engine)
         self._maybe_log_engine(engine, running, waiting)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
@@ -105,9 +107,17 @@ class EngineStats:
         self.prefix_cache_queries.inc(queries)
         self.prefix_cache_hits.inc(hits)
 
+    def _record_prefix_cache_delta(self, engine: Any) -> None:
+        queries = getattr(engine.scheduler, "prefix_cache_queries", 0)
+        hits = getattr(engine.scheduler, "prefix_cache_hits", 0)
+        seen_queries, seen_hits = self._seen_prefix_cache
+        if queries > seen_queries:
+            self.record_prefix_cache(queries - seen_queries, hits - seen_hits)
+            self._seen_prefix_cache = (queries, hits)
+
     def _record_output(self, out: RequestOutput, now: float) -> None:
         progress = self._progress.setdefault(out.request_id, _Progress())
-        num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)  # all n samples of the request
         new_tokens = num_tokens - progress.num_tokens
         m = out.metrics
         if new_tokens > 0:

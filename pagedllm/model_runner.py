@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from itertools import chain
 
 import numpy as np
@@ -11,6 +12,7 @@ from pagedllm.llama import AttentionMetadata, LlamaModel
 from pagedllm.loader import ModelConfig
 from pagedllm.sampler import SamplerOutput, SamplingBatch, sample
 from pagedllm.scheduler import SchedulerOutput
+from pagedllm.sequence import Sequence
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -30,9 +32,9 @@ class ModelRunner:
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(c.num_hidden_layers)]
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[Hashable, torch.Generator] = {}
 
-    def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]
+    def prepare(self, plan: SchedulerOutput, block_tables: Mapping[Hashable, list[int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and the rows whose logits are sampled, built once per step."""
         scheduled = plan.scheduled
@@ -44,7 +46,7 @@ class ModelRunner:
         torch.cumsum(lens, 0, out=query_start_loc[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
         positions = torch.arange(len(input_ids)) - query_start_loc[seq_of_token] + starts[seq_of_token]
-        tables = [block_tables[s.seq.request_id] for s in scheduled]
+        tables = [block_tables[s.seq.seq_id] for s in scheduled]
         padded = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for row, table in zip(padded, tables):
             row[:len(table)] = table
@@ -58,31 +60,42 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(torch.int32),
             max_query_len=int(lens.max()),
         )
-        samples = torch.tensor([s.samples for s in scheduled], dtype=torch.bool)
-        return input_ids, positions, meta, (query_start_loc[1:] - 1)[samples]
+        fan_out = torch.tensor([len(s.samplers) for s in scheduled], dtype=torch.int64)  # n at a group's first sample
+        return input_ids, positions, meta, torch.repeat_interleave(query_start_loc[1:] - 1, fan_out)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> SamplerOutput | None:
+    def execute(self, plan: SchedulerOutput, block_tables: Mapping[Hashable, list[int]]) -> SamplerOutput | None:
         """One model step; returns the tokens of the sequences that sample, in plan order (None if none do)."""
+        self.copy_blocks(plan.copies)
         input_ids, positions, meta, logit_rows = self.prepare(plan, block_tables)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
         logits = self.model.compute_logits(hidden[logit_rows])
-        seqs = [s.seq for s in plan.scheduled if s.samples]
+        seqs = [seq for s in plan.scheduled for seq in s.samplers]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [self._generator(s.request_id, s.params.seed) for s in seqs], self.model.config.vocab_size,
-            eos_token_id=self.eos_token_id)
+            [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_id=self.eos_token_id)
         return sample(logits, batch)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        """A seeded request draws from its own generator, so its samples do not depend on its batch-mates."""
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every (src, dst) block of the step in one batched gather/scatter per cache tensor."""
+        if not copies:
+            return
+        src, dst = torch.tensor(copies, dtype=torch.int64).T
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded sequence draws from its own generator, seeded `seed + index` for the index-th of n samples,
+        so its samples do not depend on its batch-mates and the n samples differ."""
+        seed = seq.params.seed
         if seed is None:
             return None
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator().manual_seed(seed)
-        return self.generators[request_id]
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator().manual_seed(seed + seq.index)
+        return self.generators[seq.seq_id]
 
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+    def release(self, seq_id: Hashable) -> None:
+        self.generators.pop(seq_id, None)

@@ -42,3 +42,18 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: prompt and generated tokens, and the sum of the generated tokens' logprobs."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finished: bool = False  # ended with EOS
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -45,7 +45,6 @@ class SamplingParams:
         """Reject values that make no sense before they reach the scheduler."""
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.n <= 1, "n > 1 (parallel sampling) is not supported yet"),
             (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),
@@ -74,3 +73,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as vLLM's `LLM.beam_search`: keep the `beam_width` best continuations by length-penalised
+    cumulative logprob."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= 10:  # candidates come from the top 2 * beam_width logprobs (at most 20)
+            raise ValueError(f"beam_width must be in [1, 10], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

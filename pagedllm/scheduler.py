@@ -1,12 +1,12 @@
-"""Continuous batching: every step decides anew which sequences run and how many tokens each computes."""
+"""Continuous batching: every step decides anew which sequence groups run and how many tokens each computes."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.block_manager import BlockManager
-from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.block_manager import BlockManager, Prefix, Write
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass
@@ -14,14 +14,20 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the cache when the step begins
     num_new_tokens: int  # tokens whose K/V this step computes: a prompt chunk, or 1 for a decode
-    samples: bool  # the step reaches the sequence's last known token, so it draws the next one
+    samplers: list[Sequence] = field(default_factory=list)  # draw their next token from this chunk's last position
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last known token; with n > 1, the first one fans out to n samples."""
+        return bool(self.samplers)
 
 
 @dataclass
 class SchedulerOutput:
     budget: int  # tokens still free in this step
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks, before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -33,77 +39,138 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS with decode tokens first, then prompt chunks, under a token budget; recompute-preemption of the newest."""
+    """FCFS over sequence groups: decodes first, then prompt chunks, under a token budget; recompute-preemption
+    of the newest group. A sequence without blocks starts from the longest cached prefix of its tokens."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found there
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.num_unfinished for g in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + chunks:
+        decoding = [g for g in self.running if g.is_decoding]
+        for group in decoding + [g for g in self.running if not g.is_decoding]:
             if out.budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if group.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, out.budget)
-            if self._make_room(seq, n, out):
-                self._run(seq, n, out)
-        while self.waiting and out.budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, out.budget)
-            if not self.block_manager.can_allocate(seq.request_id, seq.num_computed_tokens + n):
+            writes = self._plan_writes(group, out.budget)
+            if self._make_room(group, writes, out):
+                self._run(group, writes, out)
+        while (self.waiting and out.budget > 0 and not out.preempted
+               and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs):
+            group = self.waiting[0]
+            writes = self._plan_writes(group, out.budget)
+            if self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._run(seq, n, out)
+            group.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            self._run(group, writes, out)
+        out.copies = self.block_manager.take_copies()
         return out
 
-    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        self.block_manager.allocate(seq.request_id, seq.num_computed_tokens + n)
-        start = seq.num_computed_tokens
-        out.scheduled.append(ScheduledSeq(seq, start, n, samples=start + n == seq.num_tokens))
-        out.budget -= n
+    def _plan_writes(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, Write]]:
+        """Each live sequence's next chunk within the budget; one without blocks starts after its cached prefix."""
+        writes = []
+        for seq in group.live_seqs:
+            prefix = Prefix()
+            if seq.seq_id not in self.block_manager.block_tables:
+                prefix = self.block_manager.match_prefix(seq.token_ids)
+            start = len(prefix.blocks) * self.block_manager.block_size or seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if n == 0:
+                break
+            budget -= n
+            writes.append((seq, Write(seq.seq_id, start, start + n, prefix)))
+        return writes
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` gets its blocks; False if `seq` itself went."""
-        while not self.block_manager.can_allocate(seq.request_id, seq.num_computed_tokens + n):
+    def _run(self, group: SequenceGroup, writes: list[tuple[Sequence, Write]], out: SchedulerOutput) -> None:
+        """Take the blocks (cached prefixes first, so taking new blocks cannot evict them); fork at the first sample."""
+        bm = self.block_manager
+        for seq, w in writes:
+            seq.status = SequenceStatus.RUNNING
+            if seq.seq_id not in bm.block_tables:
+                bm.share_prefix(seq.seq_id, w.prefix)
+                seq.num_computed_tokens = w.start
+                self.prefix_cache_queries += seq.num_tokens if bm.enable_prefix_caching else 0
+                self.prefix_cache_hits += w.start
+        for seq, w in writes:
+            bm.allocate(seq.seq_id, w.end, w.start)
+            samplers = [seq] if w.end == seq.num_tokens else []
+            if samplers and group.unforked:
+                samplers += self._fork(group, seq)
+            out.scheduled.append(ScheduledSeq(seq, w.start, w.end - w.start, samplers))
+            out.budget -= w.end - w.start
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        """The n - 1 other samples share every block of the prefilled prompt."""
+        children = group.unforked
+        for child in children:
+            child.fork_from(parent)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+        group.forked = True
+        return children
+
+    def _make_room(self, group: SequenceGroup, writes: list[tuple[Sequence, Write]], out: SchedulerOutput) -> bool:
+        """Preempt the newest running groups until `group` gets its blocks; False if `group` itself went."""
+        while self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
             victim = self.running[-1]
             self.preempt(victim, out)
-            if victim is seq:
+            if victim is group:
                 return False
         return True
 
-    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Free the sequence's blocks and requeue it at the front; it recomputes its tokens when it returns."""
-        self.running.remove(seq)
-        out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq is seq)
-        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        self.block_manager.free(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+    def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Free the group's blocks and requeue it at the front; it recomputes its tokens when it returns."""
+        self.running.remove(group)
+        out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq in group.seqs)
+        out.scheduled = [s for s in out.scheduled if s.seq not in group.seqs]
+        for seq in group.seqs:
+            self.block_manager.free(seq.seq_id)
+            if not seq.is_finished:
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+                seq.num_preemptions += 1
+        if not any(s.output_token_ids for s in group.seqs):  # nothing sampled yet: prefill once and fork again
+            group.forked = len(group.seqs) == 1
+        group.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        self.waiting.appendleft(group)
+        out.preempted.append(group)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and give its blocks back."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq.request_id)
+    def commit(self, plan: SchedulerOutput) -> None:
+        """After the model step: advance each sequence and register the blocks the step filled in the cache."""
+        for s in plan.scheduled:
+            end = s.start + s.num_new_tokens
+            for seq in s.samplers or [s.seq]:
+                seq.num_computed_tokens = end
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end)
+
+    def finish(self, group: SequenceGroup) -> None:
+        """Give back the blocks of the group's finished sequences; drop the group once all of them are."""
+        for seq in group.seqs:
+            if seq.is_finished:
+                self.block_manager.free(seq.seq_id)
+        if not group.is_finished:
+            return
+        if group in self.running:
+            self.running.remove(group)
+        elif group in self.waiting:
+            self.waiting.remove(group)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from pagedllm.outputs import Logprob, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +38,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n samples
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))  # the block manager's key, unique per process
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -61,6 +66,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def fork_from(self, parent: Sequence) -> None:
+        """Take the parent's tokens and progress: the sample starts where the shared prefill ended."""
+        self.token_ids = list(parent.token_ids)
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.status = parent.status
+
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
@@ -70,3 +81,43 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """A request's n samples, scheduled and preempted together. Until the prompt is prefilled only `seqs[0]`
+    runs; the others are forked from it (sharing its blocks) when it samples its first token."""
+
+    request_id: str
+    seqs: list[Sequence]
+    status: SequenceStatus = SequenceStatus.WAITING
+    forked: bool = False
+
+    @classmethod
+    def make(cls, seq: Sequence) -> SequenceGroup:
+        """The group for a request's first sequence: n - 1 unforked siblings with the same prompt."""
+        siblings = [Sequence(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.params, seq.metrics,
+                             seq.max_tokens, index=i) for i in range(1, seq.params.n)]
+        return cls(seq.request_id, [seq, *siblings], forked=not siblings)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        """The sequences that compute: the unfinished ones, only the first before the fork."""
+        seqs = self.seqs if self.forked else self.seqs[:1]
+        return [s for s in seqs if not s.is_finished]
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(not s.is_finished for s in self.seqs)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def is_decoding(self) -> bool:
+        return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs)
+
+    @property
+    def unforked(self) -> list[Sequence]:
+        return [] if self.forked else self.seqs[1:]

@@ -232,19 +232,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
 
 def submit_choices(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                    n: int) -> list[RequestStream]:
-    """One engine request per (prompt, sample); choice index = prompt * n + sample.
-
-    n > 1 is emulated with n independent requests `{id}-{i}` (seed + i when seeded) until the engine samples
-    in parallel over shared prompt blocks (issue 3); then this becomes one request per prompt.
-    """
+    """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
+    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i)."""
     engine.check_admission()
     streams: list[RequestStream] = []
     try:
         for p, ids in enumerate(prompts):
-            for i in range(n):
-                seed = None if params.seed is None else params.seed + i
-                sub_id = request_id if len(prompts) * n == 1 else f"{request_id}-{p * n + i}"
-                streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, seed=seed)))
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, n=n)))
     except BaseException:
         cancel_all(streams)
         raise
@@ -288,19 +283,31 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             task.cancel()
 
 
-async def collect(streams: list[RequestStream]) -> list[CompletionOutput]:
+async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """Each choice's completion whenever it moved (tokens, text or finish); choice index = stream * n + sample."""
+    seen: dict[int, tuple[int, int, str | None]] = {}
+    async for p, out in merge_streams(streams):
+        for c in out.outputs:
+            i, state = p * len(out.outputs) + c.index, (len(c.token_ids), len(c.text), c.finish_reason)
+            if seen.get(i) != state:
+                seen[i] = state
+                yield i, c
+
+
+async def collect(streams: list[RequestStream], n: int) -> list[CompletionOutput]:
     """The final output of every choice, in choice order."""
-    finals: list[CompletionOutput | None] = [None] * len(streams)
+    finals: list[CompletionOutput | None] = [None] * (len(streams) * n)
     with engine_errors():
-        async for i, out in merge_streams(streams):
-            finals[i] = out.outputs[0]
+        async for i, c in merge_choices(streams):
+            finals[i] = c
     return [f for f in finals if f is not None]
 
 
-async def collect_unless_disconnected(raw: Request, streams: list[RequestStream]) -> list[CompletionOutput] | None:
+async def collect_unless_disconnected(raw: Request, streams: list[RequestStream],
+                                     n: int) -> list[CompletionOutput] | None:
     """Every choice's final output, or None when the client left first (its requests are aborted either way)."""
     try:
-        return await unless_disconnected(raw, collect(streams))
+        return await unless_disconnected(raw, collect(streams, n))
     finally:
         cancel_all(streams)
 
@@ -424,7 +431,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         streams = submit_choices(ctx.engine, request_id, prompts, params, req.n)
     if req.stream:
         return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams)
-    finals = await collect_unless_disconnected(raw, streams)
+    finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
     choices = [CompletionChoice(index=i, text=echoes[i // req.n] + c.text, **finish_fields(c),
@@ -449,11 +456,11 @@ class ChoiceProgress:
 
 async def completion_events(req: CompletionRequest, request_id: str, model: str, prompts: list[list[int]],
                             echoes: list[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    sent = [ChoiceProgress() for _ in streams]
+    sent = [ChoiceProgress() for _ in range(len(streams) * req.n)]
     created = now()
     try:
-        async for i, out in merge_streams(streams):
-            c, progress = out.outputs[0], sent[i]
+        async for i, c in merge_choices(streams):
+            progress = sent[i]
             delta = c.text[progress.text_len:]
             if not (delta or c.finish_reason or (req.logprobs is not None and progress.behind(c))):
                 continue
@@ -524,7 +531,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         streams = submit_choices(ctx.engine, request_id, [prompt], params, req.n)
     if req.stream:
         return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams)
-    finals = await collect_unless_disconnected(raw, streams)
+    finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), **finish_fields(c),
@@ -542,12 +549,12 @@ async def chat_events(req: ChatCompletionRequest, request_id: str, model: str, p
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                        usage=usage_info))
 
-    sent = [ChoiceProgress() for _ in streams]
+    sent = [ChoiceProgress() for _ in range(req.n)]
     try:
-        for i in range(len(streams)):  # the role first, as OpenAI does, before any token is ready
+        for i in range(req.n):  # the role first, as OpenAI does, before any token is ready
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        async for i, out in merge_streams(streams):
-            c, progress = out.outputs[0], sent[i]
+        async for i, c in merge_choices(streams):
+            progress = sent[i]
             delta = c.text[progress.text_len:]
             if not (delta or c.finish_reason or (top_n is not None and progress.behind(c))):
                 continue

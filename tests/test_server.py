@@ -323,6 +323,13 @@ def test_metrics_move(server: Server, client: openai.OpenAI, model: str, tokeniz
         assert (f"pagedllm:{gauge}", ()) in after
     assert ("pagedllm:num_preemptions_total", ()) in after
 
+    long_prompt = " ".join(["word"] * 40)  # 40 tokens: the second request finds 2 full blocks of 16 cached
+    for _ in range(2):
+        client.completions.create(model=model, prompt=long_prompt, max_tokens=1)
+    final = metrics(server)
+    assert metric(final, "prefix_cache_hits_total") - metric(after, "prefix_cache_hits_total") >= 32
+    assert metric(final, "prefix_cache_queries_total") - metric(after, "prefix_cache_queries_total") >= 80
+
 
 # ---- errors ----------------------------------------------------------------------------------------------
 CHAT = "/v1/chat/completions"
