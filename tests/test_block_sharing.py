@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from test_engine import assert_matches_reference, greedy, hf_greedy
 
 from pagedllm import LLM, BeamSearchParams, LLMEngine, SamplingParams
@@ -194,3 +195,33 @@ def test_groups_that_cannot_run_are_rejected_and_the_rest_fit_the_pool(tiny_mode
                                                               ignore_eos=True), use_tqdm=False)
     assert [len(c.token_ids) for c in out.outputs] == [3] * 4  # 8 blocks // 4 samples = 8 tokens each
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_free_blocks == 8
+
+
+def reference_beam_search(model, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
+    """Beam search the plain way: every beam recomputed from scratch by transformers, nothing shared."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for tokens, score in beams:
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+            top = logprobs.topk(2 * width)
+            candidates += [(tokens + [t], score + lp) for t, lp in zip(top.indices.tolist(), top.values.tolist())]
+        beams = sorted(candidates, key=lambda b: b[1] / len(b[0]), reverse=True)[:width]
+    return beams
+
+
+def test_beam_search_equals_reference_beam_search(tiny_model_dir, shared_reference):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = shared_reference[0][:2]
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=64, block_size=BLOCK_SIZE)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        ref = reference_beam_search(model, p, 3, 5)
+        assert [s.tokens for s in out.sequences] == [tokens for tokens, _ in ref]
+        for s, (_, score) in zip(out.sequences, ref):
+            assert s.cum_logprob == pytest.approx(score, abs=1e-3)
+    assert llm.engine.block_manager.num_free_blocks == 64
