@@ -1,0 +1,67 @@
+"""The benchmarks run end to end on the tiny model: `bench sharing --quick` and a tiny `bench throughput`.
+No timing is asserted, only that the runs complete and what block sharing must save."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.cli import main
+
+
+@pytest.fixture(scope="module")
+def sharing_result(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "sharing.json"
+    # Block size 4: even the shortest Alpaca-like prompt (10 tokens) fills blocks that samples can share.
+    # A 256-token budget: the shared-prefix requests arrive over several steps, so later ones find the prefix cached.
+    assert main(["bench", "sharing", "--quick", "--model", tiny_model_dir, "--dtype", "float32", "--block-size", "4",
+                 "--num-blocks", "4096", "--max-num-batched-tokens", "256", "--output-json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_sharing_json_has_every_table(sharing_result):
+    r = sharing_result
+    assert r["quick"] and r["block_size"] == 4 and r["num_blocks"] == 4096
+    assert {"model", "dtype", "seed", "machine", "loadavg_before", "loadavg_after"} <= r.keys()
+    assert [(row["dataset"], row["n"]) for row in r["parallel_sampling"]] == [
+        (d, n) for d in ("alpaca", "sharegpt") for n in (2, 4, 6)]
+    assert [(row["dataset"], row["width"]) for row in r["beam_search"]] == [
+        (d, w) for d in ("alpaca", "sharegpt") for w in (2, 4, 6)]
+    assert [row["target_prefix_tokens"] for row in r["shared_prefix"]] == [80, 340]
+
+
+def test_parallel_sampling_shares_the_prompt(sharing_result):
+    for row in sharing_result["parallel_sampling"]:
+        shared, unshared = row["shared"], row["unshared"]
+        assert row["saved_fraction"] > 0, row
+        assert shared["mean_blocks_in_use"] < unshared["mean_blocks_in_use"]
+        assert shared["preemptions"] == unshared["preemptions"] == 0
+        # Same samples (sample i draws from seed + i in both modes), so the same tokens come out.
+        assert shared["output_tokens"] == unshared["output_tokens"] == 2 * row["n"] * 16
+        assert shared["prefix_cache_hit_rate"] == unshared["prefix_cache_hit_rate"] == 0
+
+
+def test_beam_search_shares_through_the_prefix_cache(sharing_result):
+    for row in sharing_result["beam_search"]:
+        assert row["shared"]["mean_blocks_in_use"] <= row["unshared"]["mean_blocks_in_use"]
+        assert row["shared"]["prefix_cache_hit_rate"] > 0 and row["unshared"]["prefix_cache_hit_rate"] == 0
+        assert row["shared"]["steps"] == row["unshared"]["steps"] == 6  # one engine step per beam step
+    assert all(row["saved_fraction"] > 0 for row in sharing_result["beam_search"] if row["width"] > 2)
+
+
+def test_shared_prefix_runs_with_the_cache_on_and_off(sharing_result):
+    for row in sharing_result["shared_prefix"]:
+        assert row["prefix_tokens"] >= row["target_prefix_tokens"] and row["num_requests"] == 8
+        for run in (row["cache_on"], row["cache_off"]):
+            assert run["output_tokens"] == 8 * 4 and run["requests_per_s"] > 0 and run["preemptions"] == 0
+        assert row["cache_on"]["prefix_cache_hit_rate"] > 0.3 and row["cache_off"]["prefix_cache_hit_rate"] == 0
+        assert row["speedup"] > 0
+
+
+def test_throughput_runs(tiny_model_dir, tmp_path):
+    path = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--dtype", "float32", "--num-blocks", "256",
+                 "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--output-json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["num_prompts"] == 4 and result["output_tokens"] == 16 and result["num_preemptions"] == 0
