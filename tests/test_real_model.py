@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import assert_matches_reference, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.loader import load_model
@@ -44,17 +45,7 @@ def hf_smollm2():
     return model, loaded.tokenizer
 
 
-def hf_greedy(model, ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-    return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0]
-
-
 def test_greedy_fp32_matches_transformers_token_for_token(hf_smollm2):
-    from test_engine import assert_matches_reference
-
     model, tok = hf_smollm2
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=48)  # chunked prefill too
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
