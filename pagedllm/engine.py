@@ -61,9 +61,7 @@ class LLMEngine:
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend)
-        eos = self.tokenizer.eos_token_id
-        self.runner = ModelRunner(model, num_blocks, config.block_size,
-                                  eos if eos is not None else next(iter(loaded.config.eos_token_ids), None))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
         logger.info("loaded %s (%s), %d KV blocks of %d tokens, max_model_len %d", self.model_name,
@@ -134,11 +132,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    @property
-    def seqs(self) -> dict[str, SequenceGroup]:
-        """The requests in flight, by request id."""
-        return self.groups
 
     def stats(self) -> EngineCounters:
         pool = self.block_manager.pool

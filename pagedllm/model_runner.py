@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from itertools import chain
 
 import numpy as np
@@ -24,11 +24,11 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class ModelRunner:
     """Owns the model, the KV cache tensors and the per-request random generators; knows nothing of policy."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: Collection[int]) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(c.num_hidden_layers)]
@@ -75,7 +75,7 @@ class ModelRunner:
         seqs = [seq for s in plan.scheduled for seq in s.samplers]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_id=self.eos_token_id)
+            [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_ids=self.eos_token_ids)
         return sample(logits, batch)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

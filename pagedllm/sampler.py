@@ -6,6 +6,7 @@ rows is the draw of per-request seeded generators, so a seeded request's tokens 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import chain
 
@@ -49,13 +50,13 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         *,
-        eos_token_id: int | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> SamplingBatch:
         """Gather the rows' parameters into [S] tensors and their token histories into [S, V] counts.
 
         Repetition penalty counts prompt + output tokens (as vLLM/HF); presence and frequency count output
-        only (as OpenAI/vLLM). While a row has fewer than min_tokens outputs, its EOS and stop_token_ids are
-        banned, whether or not it ignores EOS.
+        only (as OpenAI/vLLM). While a row has fewer than min_tokens outputs, every EOS id and its stop_token_ids
+        are banned, whether or not it ignores EOS.
         """
         vocab = vocab_size
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
@@ -81,8 +82,8 @@ class SamplingBatch:
             (row, tok)
             for row, p in enumerate(params)
             if len(output_ids[row]) < p.min_tokens
-            for tok in {*p.stop_token_ids, eos_token_id}
-            if tok is not None and tok < vocab
+            for tok in {*p.stop_token_ids, *eos_token_ids}
+            if tok < vocab
         ]
         banned = None
         if banned_pairs:

@@ -137,8 +137,8 @@ def test_random_groups_keep_block_invariants(tiny_model_dir):
             prompt = stem[:rng.randint(1, 30 // n)] + [rng.randrange(100, 49152) for _ in range(rng.randint(0, 2))]
             engine.add_request(f"q{step}", prompt, SamplingParams(n=n, temperature=rng.choice([0.0, 0.8]),
                                                                   max_tokens=rng.randint(4, 20), ignore_eos=True))
-        if engine.seqs and rng.random() < 0.05:
-            engine.abort_request(rng.choice(sorted(engine.seqs)))
+        if engine.groups and rng.random() < 0.05:
+            engine.abort_request(rng.choice(sorted(engine.groups)))
         engine.step()
         engine.check_invariants()
         if step >= 25 and not engine.has_unfinished_requests():

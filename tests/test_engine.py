@@ -122,8 +122,8 @@ def test_random_workload_keeps_block_invariants(tiny_engine, seed):
             params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 20),
                                     seed=rng.choice([None, 5]), ignore_eos=rng.random() < 0.5)
             engine.add_request(f"{seed}-{step}", [rng.randrange(100, 49152) for _ in range(n)], params)
-        if engine.seqs and rng.random() < 0.05:
-            engine.abort_request(rng.choice(sorted(engine.seqs)))
+        if engine.groups and rng.random() < 0.05:
+            engine.abort_request(rng.choice(sorted(engine.groups)))
         engine.step()
         engine.check_invariants()
         if step >= 30 and not engine.has_unfinished_requests():

@@ -15,7 +15,7 @@ from pagedllm.sampling_params import SamplingParams
 TINY_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
 
 
-def build(params, vocab_size, prompt_ids=None, output_ids=None, generators=None, eos_token_id=None):
+def build(params, vocab_size, prompt_ids=None, output_ids=None, generators=None, eos_token_ids=()):
     n = len(params)
     return SamplingBatch.build(
         params,
@@ -23,7 +23,7 @@ def build(params, vocab_size, prompt_ids=None, output_ids=None, generators=None,
         output_ids if output_ids is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
         vocab_size,
-        eos_token_id=eos_token_id,
+        eos_token_ids=eos_token_ids,
     )
 
 
@@ -230,17 +230,20 @@ def test_min_tokens_masks_eos_and_stop_ids():
         SamplingParams(temperature=0.0, min_tokens=5, ignore_eos=True),  # masks eos all the same
         SamplingParams(temperature=0.0),
     ]
-    out = sample(logits, build(params, vocab, output_ids=[[1], [1, 2], [], []], eos_token_id=eos))
+    out = sample(logits, build(params, vocab, output_ids=[[1], [1, 2], [], []], eos_token_ids=[eos]))
     assert out.token_ids.tolist() == [3, eos, 7, eos]
     # Sampled rows never draw a banned token either, and nothing is banned without an eos id or stop ids.
     rows = 3000
     hot = torch.zeros(rows, vocab)
     hot[:, eos] = hot[:, 7] = 3.0
     drawn = sample(
-        hot, build([SamplingParams(min_tokens=1, stop_token_ids=[7])] * rows, vocab, eos_token_id=eos)
+        hot, build([SamplingParams(min_tokens=1, stop_token_ids=[7])] * rows, vocab, eos_token_ids=[eos])
     )
     assert not set(drawn.token_ids.tolist()) & {7, eos}
     assert build([SamplingParams(min_tokens=3)], vocab).banned is None
+    # A model with several end-of-generation ids (SmolLM2: <|im_end|> and <|endoftext|>) has all of them banned.
+    two = build([SamplingParams(temperature=0.0, min_tokens=1)], vocab, output_ids=[[]], eos_token_ids=[eos, 7])
+    assert sample(logits[:1], two).token_ids.tolist() == [3]
 
 
 def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
