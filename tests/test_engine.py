@@ -157,12 +157,12 @@ def test_stop_strings_and_stop_tokens(tiny_model_dir):
                                                         stop_token_ids=[third]), use_tqdm=False)[0].outputs[0]
     assert by_token.token_ids == free.token_ids[:3] and by_token.finish_reason == "stop"
     assert by_token.stop_reason == third
-    stop = free.text[len(free.text) // 2:][:3]
-    if stop.strip():
-        by_str = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
-        assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
-        assert by_str.text == free.text[:free.text.index(stop)]
+    half = len(free.text) // 2
+    stop = next(free.text[i:i + 3] for i in range(half, len(free.text) - 2) if free.text[i:i + 3].strip())
+    by_str = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
+    assert by_str.text == free.text[:free.text.index(stop)]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir):
