@@ -1,5 +1,6 @@
-"""Benchmarks. `pagedllm bench throughput`: offline throughput on synthetic prompts, all requests queued at once.
-`pagedllm bench sharing`: the vLLM paper's KV block sharing results (parallel sampling, beam search, shared prefix)."""
+"""Benchmarks. `pagedllm bench throughput`: offline throughput on a workload of pagedllm.datasets, all requests
+queued at once. `pagedllm bench sharing`: the vLLM paper's KV block sharing results (parallel sampling, beam search,
+shared prefix)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,34 @@ import random
 import time
 from collections.abc import Callable
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.datasets import (
+    DATASETS,
+    BenchRequest,
+    describe,
+    few_shot_workload,
+    sample_requests,
+    stdlib_docstrings,
+    text_prompts,
+)
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
     tp = sub.add_parser("throughput", help="offline throughput: every request queued at once")
+    tp.add_argument("--dataset", default="random", choices=DATASETS,
+                    help="workload (pagedllm.datasets); --seed picks its requests")
+    tp.add_argument("--dataset-path", default=None, help="file dataset: JSONL of {\"prompt\", \"output_len\"} "
+                                                         "or ShareGPT conversations")
     tp.add_argument("--num-prompts", type=int, default=100)
-    tp.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
-    tp.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
+    tp.add_argument("--input-len", type=int, default=None,
+                    help="mean prompt length in tokens (default: the dataset's; random 128, sharegpt 160, alpaca 19)")
+    tp.add_argument("--output-len", type=int, default=None,
+                    help="mean output length in tokens (default: the dataset's; random 128, sharegpt 125, alpaca 58)")
     tp.add_argument("--range-ratio", type=float, default=0.0,
-                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+                    help="random dataset: lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    tp.add_argument("--n", type=int, default=4, help="parallel-sampling dataset: samples per request")
+    tp.add_argument("--beam-width", type=int, default=4, help="beam-search dataset: beams per request")
+    tp.add_argument("--prefix-len", type=int, default=200, help="shared-prefix dataset: tokens of the shared prefix")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
     tp.set_defaults(func=cmd_throughput)
@@ -41,20 +60,6 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
     sh.set_defaults(func=cmd_sharing)
 
 
-def synthetic_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                       seed: int) -> list[tuple[list[int], int]]:
-    """Random-token prompts (vLLM's 'random' dataset): (prompt token ids, output length) pairs."""
-    rng = random.Random(seed)
-
-    def draw(mean: int) -> int:
-        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
-
-    # Skip the lowest ids, where special tokens live, so no prompt token is EOS or a control token.
-    low = min(1000, vocab_size // 2)
-    return [([rng.randrange(low, vocab_size) for _ in range(draw(input_len))], draw(output_len))
-            for _ in range(num)]
-
-
 def cmd_throughput(args: argparse.Namespace) -> int:
     from pagedllm.cli import engine_config
     from pagedllm.llm import LLM
@@ -63,17 +68,18 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     llm = LLM(**vars(config))
     load_s = time.perf_counter() - t_load
-    requests = synthetic_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                  llm.engine.model_config.vocab_size, args.seed)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in requests]
+    requests = sample_requests(args.dataset, llm.get_tokenizer(), args.num_prompts, args.seed,
+                               dataset_path=args.dataset_path, input_len=args.input_len, output_len=args.output_len,
+                               max_model_len=llm.engine.max_model_len, n=args.n, beam_width=args.beam_width,
+                               prefix_len=args.prefix_len, range_ratio=args.range_ratio)
+    workload = describe(requests)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
+    n_out = run_workload(llm, requests)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(ids) for ids, _ in requests)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(r.prompt_token_ids) for r in requests)
     result = {
         "model": llm.engine.model_name, "dtype": config.torch_dtype_name, "threads": config.num_threads,
+        "dataset": args.dataset, "seed": args.seed, "workload": workload,
         "num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 3),
         "requests_per_s": round(len(requests) / elapsed, 3),
@@ -84,6 +90,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
+    inp, out = workload["input_len"], workload["output_len"]
+    print(f"Workload: {args.dataset}, {len(requests)} requests, prompts mean {inp['mean']} / median {inp['median']} "
+          f"/ p90 {inp['p90']} tokens, outputs mean {out['mean']} / median {out['median']} / p90 {out['p90']}")
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
           f"({n_in} prompt + {n_out} output tokens in {elapsed:.1f} s)")
@@ -93,78 +102,30 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_workload(llm, requests: list[BenchRequest]) -> int:
+    """Run every request with ignore_eos and max_tokens = its output length; the number of tokens generated
+    (every sample, every final beam). Sampling requests are queued at once (greedy if n == 1, temperature 1 for
+    parallel samples); beam-search requests then run through LLM.beam_search, one call per (width, length)."""
+    sampled = [r for r in requests if not r.beam_width]
+    outs = llm.generate([{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in sampled],
+                        [SamplingParams(n=r.n, temperature=0.0 if r.n == 1 else 1.0, max_tokens=r.output_len,
+                                        ignore_eos=True) for r in sampled], use_tqdm=True) if sampled else []
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    groups: dict[tuple[int, int], list[BenchRequest]] = {}
+    for r in requests:
+        if r.beam_width:
+            groups.setdefault((r.beam_width, r.output_len), []).append(r)
+    for (width, length), group in groups.items():
+        beams = llm.beam_search([{"prompt_token_ids": r.prompt_token_ids} for r in group],
+                                BeamSearchParams(beam_width=width, max_tokens=length, ignore_eos=True))
+        n_out += sum(len(s.tokens) - len(r.prompt_token_ids) for o, r in zip(beams, group) for s in o.sequences)
+    return n_out
+
+
 # ---- bench sharing: the vLLM paper's KV block sharing results (sec. 6.3-6.4) ---------------------------------------
 
 # Prompt lengths in tokens, drawn uniformly: means 19 (Alpaca's) and 161 (ShareGPT's), as in the paper's table 1.
 SHARING_DATASETS = {"alpaca": (10, 28), "sharegpt": (60, 262)}
-# Stdlib modules whose docstrings are the prompts' text: real English that ships with every Python.
-CORPUS_MODULES = ("argparse", "calendar", "collections", "csv", "datetime", "decimal", "difflib", "email.message",
-                  "fractions", "functools", "heapq", "http.client", "inspect", "itertools", "json", "logging",
-                  "os", "pathlib", "random", "shutil", "statistics", "string", "subprocess", "tempfile",
-                  "textwrap", "threading", "unittest", "urllib.parse", "zipfile")
-FEW_SHOT_TASK = "Name the Python standard library function or class that each description is about.\n\n"
-
-
-def stdlib_docstrings() -> list[tuple[str, str]]:
-    """(qualified name, docstring) of the public classes, functions and methods of CORPUS_MODULES, deduplicated,
-    in a fixed order."""
-    import importlib
-    import inspect
-
-    docs: dict[str, str] = {}
-    for module_name in CORPUS_MODULES:
-        module = importlib.import_module(module_name)
-        for name in sorted(vars(module)):
-            obj = vars(module)[name]
-            if name.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
-                continue
-            members = [(f"{module_name}.{name}", obj)]
-            if inspect.isclass(obj):
-                members += [(f"{module_name}.{name}.{m}", v) for m, v in sorted(vars(obj).items())
-                            if not m.startswith("_") and inspect.isroutine(v)]
-            for qualname, member in members:
-                doc = inspect.getdoc(member)
-                if doc and len(doc) >= 40:
-                    docs.setdefault(doc, qualname)
-    return [(qualname, doc) for doc, qualname in docs.items()]
-
-
-def summary_line(doc: str) -> str | None:
-    """A docstring's first paragraph on one line, if it reads like a sentence of description."""
-    line = " ".join(doc.split("\n\n")[0].split())
-    return line if 25 <= len(line) <= 160 and line[0].isupper() and line.endswith(".") else None
-
-
-def text_prompts(encode: Callable[[str], list[int]], docs: list[str], num: int, length_range: tuple[int, int],
-                 rng: random.Random) -> list[list[int]]:
-    """`num` prompts of real text: each starts at a random docstring (continuing into the next ones if short) and
-    is cut to a length drawn uniformly from `length_range` tokens."""
-    prompts = []
-    for _ in range(num):
-        length, start = rng.randint(*length_range), rng.randrange(len(docs))
-        ids: list[int] = []
-        for doc in docs[start:] + docs[:start]:
-            ids += encode(doc + "\n\n")
-            if len(ids) >= length:
-                break
-        prompts.append(ids[:length])
-    return prompts
-
-
-def few_shot_workload(encode: Callable[[str], list[int]], docs: list[tuple[str, str]], prefix_len: int,
-                      num_questions: int, rng: random.Random) -> tuple[list[int], list[list[int]]]:
-    """A few-shot prefix of at least `prefix_len` tokens (task, then description -> name examples) and
-    `num_questions` distinct questions (a description the examples do not hold), as token ids."""
-    pairs = [(name, line) for name, doc in docs if (line := summary_line(doc))]
-    rng.shuffle(pairs)
-    prefix = encode(FEW_SHOT_TASK)
-    used = 0
-    while len(prefix) < prefix_len:
-        name, line = pairs[used]
-        prefix += encode(f"Description: {line}\nFunction: {name}\n\n")
-        used += 1
-    questions = [encode(f"Description: {line}\nFunction:") for _, line in pairs[used:used + num_questions]]
-    return prefix, questions
 
 
 class BlockUsage:
@@ -272,8 +233,6 @@ def beam_search(llm, prompts: list[list[int]], width: int, max_tokens: int) -> d
     """LLM.beam_search with the prefix cache on (beams share their common full blocks) and off (every beam holds
     its whole context). All of a beam step's one-token requests run in one engine step (budget raised), so each
     sample is one beam step in both modes."""
-    from pagedllm.sampling_params import BeamSearchParams
-
     scheduler = llm.engine.scheduler
     budget, max_seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     scheduler.max_num_batched_tokens = max(budget, width * sum(len(p) + max_tokens for p in prompts))

@@ -65,3 +65,39 @@ def test_throughput_runs(tiny_model_dir, tmp_path):
                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--output-json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["num_prompts"] == 4 and result["output_tokens"] == 16 and result["num_preemptions"] == 0
+
+
+def run_throughput(tiny_model_dir, tmp_path, *flags: str) -> dict:
+    path = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--dtype", "float32", "--num-blocks", "512",
+                 "--output-json", str(path), *flags]) == 0
+    return json.loads(path.read_text())
+
+
+def test_throughput_on_sharegpt(tiny_model_dir, tmp_path):
+    result = run_throughput(tiny_model_dir, tmp_path, "--dataset", "sharegpt", "--num-prompts", "5",
+                            "--input-len", "40", "--output-len", "6", "--seed", "3")
+    workload = result["workload"]
+    assert result["dataset"] == "sharegpt" and result["seed"] == 3 and workload["num_requests"] == 5
+    assert result["input_tokens"] == round(workload["input_len"]["mean"] * 5)
+    assert result["output_tokens"] == round(workload["output_len"]["mean"] * 5)  # ignore_eos: every token
+    assert {"median", "p90", "max"} <= workload["input_len"].keys()
+    assert result["num_prompts"] == 5 and result["num_preemptions"] == 0
+
+
+def test_throughput_with_parallel_samples_and_beams(tiny_model_dir, tmp_path):
+    parallel = run_throughput(tiny_model_dir, tmp_path, "--dataset", "parallel-sampling", "--n", "3",
+                              "--num-prompts", "2", "--output-len", "5")
+    assert parallel["output_tokens"] == 2 * 3 * 5  # every sample counted
+    beams = run_throughput(tiny_model_dir, tmp_path, "--dataset", "beam-search", "--beam-width", "2",
+                           "--num-prompts", "2", "--output-len", "3")
+    assert beams["output_tokens"] == 2 * 2 * 3  # every final beam counted
+    assert beams["workload"]["output_len"]["max"] == 3
+
+
+def test_throughput_rejects_a_bad_dataset_file(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-blocks", "64", "--dataset", "file",
+                 "--dataset-path", str(bad)]) == 2
+    assert "line 1: not valid JSON" in capsys.readouterr().err
