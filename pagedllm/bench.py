@@ -40,6 +40,10 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
     add_engine_args(sh)
     sh.set_defaults(func=cmd_sharing)
 
+    from pagedllm.bench_serve import add_command
+
+    add_command(sub, add_engine_args)
+
 
 def synthetic_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
                        seed: int) -> list[tuple[list[int], int]]:
