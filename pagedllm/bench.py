@@ -59,6 +59,10 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
     add_engine_args(sh)
     sh.set_defaults(func=cmd_sharing)
 
+    from pagedllm.bench_serve import add_command
+
+    add_command(sub, add_engine_args)
+
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     from pagedllm.cli import engine_config

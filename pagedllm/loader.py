@@ -116,6 +116,19 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
     raise ValueError(f"cannot load {path}: expected a Hugging Face model folder or a .gguf file")
 
 
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """Only the tokenizer of a model folder or .gguf file (None: the default model), no weights: what a benchmark
+    client needs to build prompts of exact token lengths."""
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    if path.lower().endswith(".gguf"):
+        return Tokenizer.from_gguf_metadata(read_gguf(path)[0])
+    raise ValueError(f"cannot read a tokenizer from {path}: expected a Hugging Face model folder or a .gguf file")
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with its shape; the loader checks checkpoints against this."""
     h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
