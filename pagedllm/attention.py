@@ -12,26 +12,17 @@ one warning. Run ``python -m pagedllm.attention`` for a benchmark table.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import platform
-import threading
 import warnings
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+from pagedllm import kernels
+
 # A sequence whose step has at least this many query rows (queries x query heads per kv head) uses the tiled
 # prefill kernel, fewer the row (decode) kernel; measured crossover on this CPU.
 _TILE_MIN_ROWS = 20
 
-_lock = threading.Lock()
-_ext: ModuleType | None = None
-_ext_error: str | None = None
 _warned: set[str] = set()
 
 
@@ -66,7 +57,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def is_fast_path_available() -> bool:
     """Whether the C++ kernel is usable; compiles (or loads the cached build of) it on the first call."""
-    return _load_extension() is not None
+    return kernels.load() is not None
 
 
 def _reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,9 +87,9 @@ def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                    tile_min_rows: int) -> torch.Tensor:
     """The C++ kernel; ``tile_min_rows`` picks the kernel per sequence (tests force either one)."""
-    ext = _load_extension()
+    ext = kernels.load()
     if ext is None:
-        raise RuntimeError(f"pagedllm attention kernel failed to build: {_ext_error}")
+        raise RuntimeError(f"pagedllm attention kernel failed to build: {kernels.build_error()}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     return ext.paged_attention(q, k_cache, v_cache, _int32(block_tables), _int32(context_lens),
@@ -113,7 +104,7 @@ def _pick_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     """``"cpp"`` when the kernel handles these inputs and built; else ``"reference"``, warning once per reason."""
     reason = _unsupported_reason(q, k_cache)
     if not reason and not is_fast_path_available():
-        reason = f"kernel build failed: {(_ext_error or '').splitlines()[0]}"
+        reason = f"kernel build failed: {(kernels.build_error() or '').splitlines()[0]}"
     if not reason:
         return "cpp"
     if reason not in _warned:
@@ -131,34 +122,6 @@ def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if not k_cache.is_contiguous():
         return "the KV cache is not contiguous"
     return ""
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _load_extension() -> ModuleType | None:
-    """JIT-build the kernel once per source version (cached on disk by torch, so later processes just load)."""
-    global _ext, _ext_error
-    if _ext is not None or _ext_error is not None:
-        return _ext
-    with _lock:
-        if _ext is None and _ext_error is None:
-            try:
-                from torch.utils.cpp_extension import load
-
-                # -march=native: a build is only valid for this CPU, so its features are part of the name.
-                key = _SOURCE.read_bytes() + repr(_CFLAGS).encode() + _cpu_flags().encode()
-                digest = hashlib.sha256(key).hexdigest()[:16]
-                _ext = load(name=f"pagedllm_attention_{digest}", sources=[str(_SOURCE)],
-                            extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
-            except Exception as exc:  # no compiler, no ninja, bad flags: the reference path still works
-                _ext_error = f"{type(exc).__name__}: {exc}"
-    return _ext
 
 
 def bench_attention(num_threads: int = 2, repeats: int = 15) -> None:

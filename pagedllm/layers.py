@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 ext: ModuleType | None = None) -> torch.Tensor:
+    """`residual += x` in place (skipped when x is None), then the norm of the new residual: the residual stream
+    and the next layer's norm in one pass with the C++ kernel `ext`, or as the two torch ops without it."""
+    if ext is not None:
+        return ext.add_rms_norm(x, residual, weight, eps)
+    if x is not None:
+        residual.add_(x)
+    return rms_norm(residual, weight, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -45,8 +57,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions (rotate-half convention)."""
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 ext: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions (rotate-half convention); in place with the
+        C++ kernel `ext`, into new tensors without it."""
+        if ext is not None:
+            ext.rotary_(q, self.cos, self.sin, positions)
+            ext.rotary_(k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -57,7 +75,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up on the fused gate/up projection."""
+def swiglu(gate_up: torch.Tensor, ext: ModuleType | None = None) -> torch.Tensor:
+    """SiLU(gate) * up on the fused gate/up projection (one pass with the C++ kernel `ext`)."""
+    if ext is not None:
+        return ext.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

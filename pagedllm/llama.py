@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm import kernels
 from pagedllm.attention import paged_attention, write_kv
-from pagedllm.layers import RotaryEmbedding, rms_norm, swiglu
+from pagedllm.layers import RotaryEmbedding, add_rms_norm, swiglu
 from pagedllm.loader import ModelConfig
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
@@ -54,6 +55,8 @@ class LlamaModel:
         self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
+        # The fused C++ norm/rotary/SwiGLU kernels, except on the reference path (the readable torch oracle).
+        self.ext = kernels.load() if attention_backend != "reference" else None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
@@ -71,13 +74,15 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        h = F.embedding(input_ids, self.embed)
+        eps, ext = self.config.rms_norm_eps, self.ext
+        residual = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        delta = None  # what the previous sublayer adds to it
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
-                                    positions, meta, k_cache, v_cache)
-            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-            h = h + F.linear(swiglu(F.linear(x, layer.gate_up_weight)), layer.down_weight)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            x = add_rms_norm(delta, residual, layer.input_norm, eps, ext)
+            delta = self._attention(layer, x, positions, meta, k_cache, v_cache)
+            x = add_rms_norm(delta, residual, layer.post_norm, eps, ext)
+            delta = F.linear(swiglu(F.linear(x, layer.gate_up_weight), ext), layer.down_weight)
+        return add_rms_norm(delta, residual, self.norm, eps, ext)
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -87,7 +92,7 @@ class LlamaModel:
         q = q.view(-1, c.num_attention_heads, c.head_dim)
         k = k.view(-1, c.num_key_value_heads, c.head_dim)
         v = v.view(-1, c.num_key_value_heads, c.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.ext)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                             self.scale, meta.max_query_len, backend=self.attention_backend)

@@ -97,7 +97,7 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def cpp() -> None:
     if not is_fast_path_available():
-        pytest.skip(f"attention kernel did not build: {attention._ext_error}")
+        pytest.skip(f"attention kernel did not build: {kernels.build_error()}")
 
 
 def test_write_kv_puts_each_token_at_its_slot() -> None:
@@ -204,9 +204,9 @@ def test_failed_build_falls_back_to_reference_with_one_warning(monkeypatch: pyte
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error no compiler here\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    monkeypatch.setattr(attention, "_SOURCE", broken)
-    monkeypatch.setattr(attention, "_ext", None)
-    monkeypatch.setattr(attention, "_ext_error", None)
+    monkeypatch.setattr(kernels, "_SOURCES", [broken])
+    monkeypatch.setattr(kernels, "_ext", None)
+    monkeypatch.setattr(kernels, "_ext_error", None)
     monkeypatch.setattr(attention, "_warned", set())
     b = make_batch([(20, 1), (12, 12)], 4, 2, 32, 16)
     assert not is_fast_path_available()

@@ -13,7 +13,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; lighter to compile than torch/extension.h
 
 #include <algorithm>
 #include <atomic>
@@ -604,10 +603,4 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     run(P, items, scratch_floats, Mp);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
-  m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache (CPU)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

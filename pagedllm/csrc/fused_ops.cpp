@@ -1,0 +1,189 @@
+// The small ops of a decoder layer, fused: each is one pass over its rows instead of 5-10 aten ops, which at
+// decode batch sizes cost more in dispatch and temporaries than in arithmetic.
+//
+// Numerics follow the unfused torch code in layers.py (and so transformers'): math in float32, results rounded
+// to the tensor's dtype at the same points where a bf16 torch op would round. Loops are written plainly over
+// float arrays so that -O3 -march=native vectorises them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// float -> bfloat16 -> float, round to nearest even (what a bf16 torch op's store does); NaN stays NaN.
+inline float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  u = (u & 0x7F800000u) == 0x7F800000u ? (u & 0xFFFF0000u) | ((u & 0xFFFFu) ? 0x400000u : 0u) : rounded;
+  float y;
+  std::memcpy(&y, &u, 4);
+  return y;
+}
+
+template <typename T>
+inline float rnd(float x) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return round_bf16(x);
+  return x;
+}
+
+// e^x for x <= 0 (relative error ~1e-7): 2^(x log2 e), integer part in the exponent, degree-7 polynomial.
+inline float exp_nonpos(float x) {
+  float t = x * 1.4426950408889634f;
+  t = t < -125.0f ? -125.0f : t;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to an integer
+  const float f = t - n;
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+// out = weight * rms_norm(residual), after residual += x when x is given (rounded to the dtype, as h = h + x).
+template <typename T>
+void add_rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> h(n), w(n);
+    load_row(weight, w.data(), n);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* res = residual + r * n;
+      load_row(res, h.data(), n);
+      if (x != nullptr) {
+        const T* xr = x + r * n;
+        for (int64_t i = 0; i < n; ++i) h[i] = rnd<T>(h[i] + static_cast<float>(xr[i]));
+        store_row(h.data(), res, n);
+      }
+      float ss = 0.0f;
+      for (int64_t i = 0; i < n; ++i) ss += h[i] * h[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i) h[i] = rnd<T>(w[i] * rnd<T>(h[i] * inv));
+      store_row(h.data(), out + r * n, n);
+    }
+  });
+}
+
+// out[r] = silu(gate[r]) * up[r] with gate_up[r] = [gate | up].
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> g(n), u(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      load_row(gate_up + r * 2 * n, g.data(), n);
+      load_row(gate_up + r * 2 * n + n, u.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = g[i];
+        const float e = exp_nonpos(a < 0.0f ? a : -a);  // e^-|a|: no overflow either side
+        const float sig = a < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        g[i] = rnd<T>(rnd<T>(a * sig) * u[i]);
+      }
+      store_row(g.data(), out + r * n, n);
+    }
+  });
+}
+
+// In place: x[t, h] = x * cos[pos] + rotate_half(x) * sin[pos] for every head h (rotate-half convention).
+template <typename T>
+void rotary_rows(T* x, int64_t stride_t, int64_t stride_h, int64_t tokens, int64_t heads, int64_t d,
+                 const T* cos, const T* sin, const int64_t* positions) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, grain(heads * d), [&](int64_t t0, int64_t t1) {
+    std::vector<float> c(d), s(d), v(d), o(d);
+    for (int64_t t = t0; t < t1; ++t) {
+      load_row(cos + positions[t] * d, c.data(), d);
+      load_row(sin + positions[t] * d, s.data(), d);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = x + t * stride_t + h * stride_h;
+        load_row(row, v.data(), d);
+        for (int64_t i = 0; i < half; ++i)
+          o[i] = rnd<T>(rnd<T>(v[i] * c[i]) + rnd<T>(-v[i + half] * s[i]));
+        for (int64_t i = half; i < d; ++i)
+          o[i] = rnd<T>(rnd<T>(v[i] * c[i]) + rnd<T>(v[i - half] * s[i]));
+        store_row(o.data(), row, d);
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-d tensor");
+}
+
+}  // namespace
+
+at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.numel() == residual.size(1) &&
+                  weight.scalar_type() == residual.scalar_type(),
+              "weight must be a contiguous [hidden] tensor of the residual's dtype");
+  if (x.has_value()) {
+    check_rows(*x, "x");
+    TORCH_CHECK(x->sizes() == residual.sizes() && x->scalar_type() == residual.scalar_type(),
+                "x and residual differ in shape or dtype");
+  }
+  at::Tensor out = at::empty_like(residual);
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x.has_value() ? x->data_ptr<scalar_t>() : nullptr, residual.data_ptr<scalar_t>(),
+                                weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, float(eps));
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up's width must be even");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n);
+  });
+  return out;
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with contiguous rows");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin must have x's dtype");
+  TORCH_CHECK(cos.size(1) == x.size(2) && sin.sizes() == cos.sizes() && x.size(2) % 2 == 0,
+              "cos/sin must be [positions, head_dim] with an even head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
+                  positions.numel() == x.size(0),
+              "positions must be int64 [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_", [&] {
+    rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
+                          cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), pos);
+  });
+}

@@ -1,0 +1,50 @@
+"""pagedllm's C++ kernels (csrc/): compiled into one extension on first use, cached on disk by torch, so later
+processes just load it. Without a compiler everything still runs, on the slower torch paths."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_ext_error: str | None = None
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, or None if it failed to build (`build_error()` says why)."""
+    global _ext, _ext_error
+    if _ext is not None or _ext_error is not None:
+        return _ext
+    with _lock:
+        if _ext is None and _ext_error is None:
+            try:
+                from torch.utils.cpp_extension import load as load_extension
+
+                # -march=native: a build is only valid for this CPU, so its features are part of the name.
+                key = b"".join(p.read_bytes() for p in _SOURCES) + repr(_CFLAGS).encode() + _cpu_flags().encode()
+                digest = hashlib.sha256(key).hexdigest()[:16]
+                _ext = load_extension(name=f"pagedllm_kernels_{digest}", sources=[str(p) for p in _SOURCES],
+                                      extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
+            except Exception as exc:  # no compiler, no ninja, bad flags: the torch paths still work
+                _ext_error = f"{type(exc).__name__}: {exc}"
+    return _ext
+
+
+def build_error() -> str | None:
+    return _ext_error
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()

@@ -1,0 +1,78 @@
+"""The fused C++ norm / SwiGLU / rotary kernels equal the torch code they replace (which follows transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import kernels
+from pagedllm.layers import RotaryEmbedding, add_rms_norm, rms_norm, swiglu
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip(f"kernels did not build: {kernels.build_error()}")
+    return ext
+
+
+def assert_matches(fused: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: equal up to summation order. bf16: the same roundings, so rarely apart, and then by a bf16 step or two
+    (a different sum can flip one rounding, and the next rounding can follow it)."""
+    assert fused.dtype == ref.dtype and fused.shape == ref.shape
+    if fused.dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=2e-6, atol=2e-6)
+    else:
+        torch.testing.assert_close(fused.float(), ref.float(), rtol=2 ** -6, atol=1e-6)
+        assert (fused != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm(ext, dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 576, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    ref_residual = residual.clone()
+    ref = add_rms_norm(x, ref_residual, weight, 1e-5)
+    fused_residual = residual.clone()
+    fused = add_rms_norm(x, fused_residual, weight, 1e-5, ext)
+    assert torch.equal(fused_residual, ref_residual)  # the add is one rounding either way
+    assert torch.equal(ref_residual, (residual + x))
+    assert_matches(fused, ref)
+    assert_matches(add_rms_norm(None, residual, weight, 1e-5, ext), rms_norm(residual, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu(ext, dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturation and zero
+    assert_matches(swiglu(gate_up, ext), swiglu(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place(ext, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None, dtype)
+    qkv = torch.randn(19, (9 + 3 + 3) * 64, generator=g).to(dtype)  # q and k are strided views, as in the model
+    positions = torch.randint(0, 4096, (19,), generator=g)
+    q, k = qkv[:, :576].view(19, 9, 64), qkv[:, 576:768].view(19, 3, 64)
+    ref_q, ref_k = rotary(positions, q, k)
+    v_before = qkv[:, 768:].clone()
+    out_q, out_k = rotary(positions, q, k, ext)
+    assert out_q.data_ptr() == q.data_ptr()
+    assert_matches(out_q, ref_q)
+    assert_matches(out_k, ref_k)
+    assert torch.equal(qkv[:, 768:], v_before)
+
+
+def test_bad_input_is_an_error_not_a_crash(ext) -> None:
+    rotary = RotaryEmbedding(64, 16, 10000.0, None, torch.float32)
+    q = torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        rotary(torch.tensor([0, 16]), q, q.clone(), ext)
+    with pytest.raises(RuntimeError, match="even"):
+        ext.silu_mul(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="weight"):
+        ext.add_rms_norm(None, torch.randn(2, 8), torch.ones(4), 1e-5)
