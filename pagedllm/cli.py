@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -28,6 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="random seed (for generate: the request's own seed)")
+    g.add_argument("--kv-policy", default=d["kv_policy"].default, choices=KV_POLICIES,
+                   help="paged KV blocks, or a contiguous reservation per request as the paper's Orca baselines: "
+                        "max model length, prompt + output rounded up to a power of two, or the exact length")
+    g.add_argument("--batching", default=d["batching"].default, choices=BATCHING_MODES,
+                   help="continuous (a request joins or leaves at any step) or static (a new batch only once the "
+                        "last one has finished)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, fields
 
 GIB = 1 << 30
+KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
+BATCHING_MODES = ("continuous", "static")
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -48,9 +50,15 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpp | reference
     enable_prefix_caching: bool = True
     seed: int = 0
+    # paged, or a contiguous reservation per sequence at admission, as the vLLM paper's Orca baselines
+    # (block_manager.reservation_tokens); the reservation policies share nothing, so they turn prefix caching off
+    kv_policy: str = "paged"
+    batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.kv_policy != "paged":
+            self.enable_prefix_caching = False
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
@@ -71,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.attention_backend not in ("auto", "cpp", "reference"):
             raise ValueError(f"attention_backend must be auto, cpp or reference, got {self.attention_backend!r}")
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -34,6 +34,18 @@ class EngineCounters:
     blocks_cached_free: int
     cow_copies: int
     preemptions: int
+    kv_slots_held: int  # last step: KV token slots in blocks held by running sequences (a shared block once)
+    kv_tokens_stored: int  # last step: tokens stored in them
+    kv_slots_held_sum: int  # summed over steps
+    kv_tokens_stored_sum: int
+    kv_steps: int  # steps summed
+    peak_num_running: int  # most sequences running in one step
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Share of the held KV slots that stored nothing, over the run so far (tails of last blocks under paging,
+        unused reservations under the reservation policies)."""
+        return 1 - self.kv_tokens_stored_sum / self.kv_slots_held_sum if self.kv_slots_held_sum else 0.0
 
 
 class LLMEngine:
@@ -57,7 +69,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         self.max_model_len = self._max_model_len(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.kv_policy, config.batching)
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend)
@@ -102,7 +115,7 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         ids = self.tokenize_prompt(prompt)
-        room = self._seq_len_limit(params.n) - len(ids)
+        room = self.scheduler.seq_len_limit(params.n) - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
@@ -113,11 +126,6 @@ class LLMEngine:
             self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add(group)
         return seq
-
-    def _seq_len_limit(self, n: int) -> int:
-        """Tokens per sample such that the n samples fit in the pool even unshared, so a group alone always runs."""
-        bm = self.block_manager
-        return min(self.max_model_len, bm.num_total_blocks // n * bm.block_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
@@ -136,7 +144,8 @@ class LLMEngine:
     def stats(self) -> EngineCounters:
         pool = self.block_manager.pool
         return EngineCounters(self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits, pool.num_used,
-                              pool.num_cached_free, self.block_manager.num_cow_copies, self.scheduler.num_preemptions)
+                              pool.num_cached_free, self.block_manager.num_cow_copies, self.scheduler.num_preemptions,
+                              **asdict(self.scheduler.kv_usage))
 
     @property
     def num_running(self) -> int:

@@ -1,11 +1,13 @@
-"""Continuous batching: every step decides anew which sequence groups run and how many tokens each computes."""
+"""Continuous batching: every step decides anew which sequence groups run and how many tokens each computes
+(or, for the paper's baselines, static batches and contiguous reservations)."""
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.block_manager import BlockManager, Prefix, Write
+from pagedllm.block_manager import BlockManager, KVUsage, Prefix, Write, blocks_for, reservation_tokens
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -40,17 +42,25 @@ class SchedulerOutput:
 
 class Scheduler:
     """FCFS over sequence groups: decodes first, then prompt chunks, under a token budget; recompute-preemption
-    of the newest group. A sequence without blocks starts from the longest cached prefix of its tokens."""
+    of the newest group. A sequence without blocks starts from the longest cached prefix of its tokens.
+    `kv_policy` other than paged: each sample takes a contiguous reservation at admission (the paper's Orca
+    baselines), so it never needs another block. `batching` static: a batch forms only when none is running."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None, kv_policy: str = "paged", batching: str = "continuous") -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len or block_manager.num_total_blocks * block_manager.block_size
+        self.reserving = kv_policy != "paged"
+        self.kv_policy = kv_policy
+        self.static = batching == "static"
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens of sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there
+        self.kv_usage = KVUsage()
 
     def add(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -62,8 +72,15 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(g.num_unfinished for g in self.running)
 
+    def seq_len_limit(self, n: int) -> int:
+        """Tokens per sample such that n samples fit in the pool even unshared, so a group alone always runs."""
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_total_blocks // n * bm.block_size)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
+        if self.static and not self.running:
+            self._form_batch()
         decoding = [g for g in self.running if g.is_decoding]
         for group in decoding + [g for g in self.running if not g.is_decoding]:
             if out.budget == 0:
@@ -73,18 +90,51 @@ class Scheduler:
             writes = self._plan_writes(group, out.budget)
             if self._make_room(group, writes, out):
                 self._run(group, writes, out)
-        while (self.waiting and out.budget > 0 and not out.preempted
-               and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs):
+        while not self.static and out.budget > 0 and not out.preempted and self._seats_for_next():
             group = self.waiting[0]
             writes = self._plan_writes(group, out.budget)
-            if self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
+            if self._blocks_to_admit(group, writes) > self.block_manager.num_free_blocks:
                 break
-            self.waiting.popleft()
-            group.status = SequenceStatus.RUNNING
-            self.running.append(group)
+            self._admit(group)
             self._run(group, writes, out)
         out.copies = self.block_manager.take_copies()
         return out
+
+    def _form_batch(self) -> None:
+        """Static batching: admit FCFS groups as max_num_seqs and memory allow (their whole prompts, or their
+        reservations); their prompt chunks then run under the token budget, and nothing joins until all are done."""
+        pending = 0  # blocks the admitted prompts will take (under paging they are not taken yet)
+        while self._seats_for_next():
+            group = self.waiting[0]
+            needed = self._blocks_to_admit(group, self._plan_writes(group, sys.maxsize))
+            if pending + needed > self.block_manager.num_free_blocks:
+                break
+            pending += 0 if self.reserving else needed
+            self._admit(group)
+
+    def _seats_for_next(self) -> bool:
+        return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs
+
+    def _blocks_to_admit(self, group: SequenceGroup, writes: list[tuple[Sequence, Write]]) -> int:
+        """Free blocks a waiting group needs to start: those of its first chunk, or every sample's reservation."""
+        if not self.reserving:
+            return self.block_manager.blocks_needed([w for _, w in writes])
+        return group.num_unfinished * blocks_for(self._reservation(group), self.block_manager.block_size)
+
+    def _reservation(self, group: SequenceGroup) -> int:
+        seq = group.seqs[0]
+        return reservation_tokens(self.kv_policy, seq.num_prompt_tokens, seq.max_tokens,
+                                  self.seq_len_limit(len(group.seqs)))
+
+    def _admit(self, group: SequenceGroup) -> None:
+        """Waiting to running; under a reservation policy each sample takes its reservation now."""
+        self.waiting.popleft()
+        group.status = SequenceStatus.RUNNING
+        self.running.append(group)
+        if self.reserving:
+            for seq in group.seqs:
+                if not seq.is_finished:
+                    self.block_manager.reserve(seq.seq_id, self._reservation(group))
 
     def _plan_writes(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, Write]]:
         """Each live sequence's next chunk within the budget; one without blocks starts after its cached prefix."""
@@ -120,11 +170,14 @@ class Scheduler:
             out.budget -= w.end - w.start
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """The n - 1 other samples share every block of the prefilled prompt."""
+        """The n - 1 other samples share every block of the prefilled prompt (or get a copy in their reservation)."""
         children = group.unforked
         for child in children:
             child.fork_from(parent)
-            self.block_manager.fork(parent.seq_id, child.seq_id)
+            if self.reserving:
+                self.block_manager.copy_into_reservation(parent.seq_id, child.seq_id, parent.num_tokens)
+            else:
+                self.block_manager.fork(parent.seq_id, child.seq_id)
         group.forked = True
         return children
 
@@ -162,6 +215,13 @@ class Scheduler:
             for seq in s.samplers or [s.seq]:
                 seq.num_computed_tokens = end
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end)
+        self._record_kv_usage()
+
+    def _record_kv_usage(self) -> None:
+        """Slots held vs tokens stored in this step; O(running sequences)."""
+        live = [s for g in self.running for s in g.seqs if s.status is not SequenceStatus.FINISHED]
+        held, tokens = self.block_manager.kv_slots_and_tokens({s.seq_id: s.num_computed_tokens for s in live})
+        self.kv_usage.record(held, tokens, len(live))
 
     def finish(self, group: SequenceGroup) -> None:
         """Give back the blocks of the group's finished sequences; drop the group once all of them are."""

@@ -157,6 +157,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_tiny(tiny_model_dir: str):
+    """The tiny Llama loaded by transformers (float32), the reference the engine is compared with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """HF folder: tiny random Qwen2ForCausalLM with q/k/v biases, otherwise shaped like tiny_model_dir
     (untied lm_head: tied random embeddings make greedy decoding repeat the input token)."""

@@ -23,13 +23,6 @@ def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Reference greedy continuation (EOS ignored) and the logits at each generated position."""
     with torch.no_grad():

@@ -1,0 +1,217 @@
+"""Memory policies (paged vs the paper's Orca-style contiguous reservations) and batching modes (continuous vs
+static): same outputs, the admission and batching each promises, and honest KV waste figures."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+
+import pytest
+from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
+
+from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm.block_manager import reservation_tokens
+from pagedllm.cli import add_engine_args, engine_config
+from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
+
+COMBOS = list(itertools.product(KV_POLICIES, BATCHING_MODES))
+COMBO_IDS = [f"{p}-{b}" for p, b in COMBOS]
+
+
+def make_engine(model: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, dtype="float32", threads=1, **kwargs))
+
+
+def run(engine: LLMEngine, on_step=None) -> None:
+    """Step until done, checking the block invariants after every step."""
+    while engine.has_unfinished_requests():
+        running = {g.request_id for g in engine.scheduler.running}
+        engine.step()
+        engine.check_invariants()
+        if on_step:
+            on_step(running, {g.request_id for g in engine.scheduler.running})
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny):
+    prompts = mixed_prompts(8, seed=4)
+    return prompts, [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("kv_policy,batching", COMBOS, ids=COMBO_IDS)
+def test_greedy_output_is_the_same_under_every_policy(tiny_model_dir, reference, kv_policy, batching):
+    """Chunked prefill, a pool too small for everything at once, and n = 2 samples (shared blocks under paging,
+    a copy of the prompt in each sample's own reservation otherwise): every sample equals transformers."""
+    prompts, refs = reference
+    llm = LLM(tiny_model_dir, dtype="float32", threads=1, num_blocks=64, block_size=8, max_model_len=128,
+              max_num_batched_tokens=40, kv_policy=kv_policy, batching=batching)
+    params = [SamplingParams(n=1 + i % 2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (ref, logits) in zip(outs, refs):
+        for sample in out.outputs:
+            assert_matches_reference(sample.token_ids, ref, logits)
+    assert llm.engine.block_manager.num_free_blocks == 64
+    assert llm.engine.stats().preemptions == 0 or kv_policy == "paged"  # a reservation never runs out
+
+
+def test_reservation_sizes():
+    assert reservation_tokens("reserve-max", 10, 25, 100) == 100
+    assert reservation_tokens("reserve-pow2", 10, 25, 100) == 10 + 32  # the output rounded up to a power of two
+    assert reservation_tokens("reserve-pow2", 10, 32, 100) == 10 + 32
+    assert reservation_tokens("reserve-pow2", 10, 1, 100) == 10 + 1
+    assert reservation_tokens("reserve-pow2", 10, 60, 64) == 64  # capped
+    assert reservation_tokens("reserve-oracle", 10, 25, 100) == 35
+    with pytest.raises(ValueError):
+        reservation_tokens("paged", 10, 25, 100)
+
+
+# prompt length, max_tokens, and the blocks of 4 tokens each policy reserves
+ADMISSION = [(6, 6, {"reserve-max": 16, "reserve-pow2": 4, "reserve-oracle": 3}),  # 64 | 6 + 8 = 14 | 12 tokens
+             (9, 3, {"reserve-max": 16, "reserve-pow2": 4, "reserve-oracle": 3}),  # 64 | 9 + 4 = 13 | 12
+             (5, 12, {"reserve-max": 16, "reserve-pow2": 6, "reserve-oracle": 5})]  # 64 | 5 + 16 = 21 | 17
+
+
+@pytest.mark.parametrize("kv_policy", KV_POLICIES)
+def test_admission_takes_the_whole_reservation(tiny_model_dir, kv_policy):
+    """A 32-block pool of 4 tokens, max_model_len 64: paged runs all 8 requests at once; reserve-max 16 blocks
+    each, so 2 at a time; pow2 and oracle the block counts worked out above, taken in full at admission."""
+    engine = make_engine(tiny_model_dir, num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=8,
+                         kv_policy=kv_policy)
+    expected = {}
+    for i in range(8):
+        prompt_len, max_tokens, blocks = ADMISSION[i % 3]
+        seq = engine.add_request(str(i), [100 + i] * prompt_len, greedy(max_tokens))
+        expected[seq.seq_id] = blocks.get(kv_policy)
+    tables = engine.block_manager.block_tables
+
+    def check_tables(before: set[str], after: set[str]) -> None:
+        for seq_id, table in tables.items():
+            assert kv_policy == "paged" or len(table) == expected[seq_id]
+
+    run(engine, check_tables)
+    peak = engine.stats().peak_num_running
+    assert peak == {"paged": 8, "reserve-max": 2, "reserve-pow2": 7, "reserve-oracle": 8}[kv_policy]
+    assert engine.stats().preemptions == 0
+
+
+def running_sets(model: str, kv_policy: str, batching: str) -> list[tuple[set[str], set[str]]]:
+    """The running requests before and after every step of 7 requests, batches of at most 3, ending apart."""
+    engine = make_engine(model, num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=3,
+                         max_num_batched_tokens=16, kv_policy=kv_policy, batching=batching)
+    for i in range(7):
+        engine.add_request(str(i), [200 + i] * (3 + 4 * i), greedy(2 + 3 * (i % 3)))
+    steps: list[tuple[set[str], set[str]]] = []
+    run(engine, lambda before, after: steps.append((before, after)))
+    return steps
+
+
+@pytest.mark.parametrize("kv_policy", KV_POLICIES)
+def test_static_batching_lets_nothing_join_a_running_batch(tiny_model_dir, kv_policy):
+    """The running set only shrinks until it is empty; then the next batch forms, FCFS. Under continuous batching
+    the same workload does let requests join, so the check can tell the two apart."""
+    steps = running_sets(tiny_model_dir, kv_policy, "static")
+    for before, after in steps:
+        assert not before or after <= before, f"{after - before} joined the running batch {before}"
+    assert [after for before, after in steps if not before] == [{"0", "1", "2"}, {"3", "4", "5"}, {"6"}]
+    continuous = running_sets(tiny_model_dir, kv_policy, "continuous")
+    assert any(before and not after <= before for before, after in continuous)
+
+
+def slots_and_tokens_by_definition(engine: LLMEngine) -> tuple[int, int]:
+    """Held slots and stored tokens the slow way: every (block, offset) a table holds or has written, once."""
+    bs, tables = engine.block_manager.block_size, engine.block_manager.block_tables
+    held = {b for table in tables.values() for b in table}
+    stored = {(tables[s.seq_id][pos // bs], pos % bs) for g in engine.scheduler.running for s in g.seqs
+              if s.seq_id in tables for pos in range(s.num_computed_tokens)}
+    return len(held) * bs, len(stored)
+
+
+def waste_workload(engine: LLMEngine) -> None:
+    """Prompts sharing a prefix, n = 3 samples, output lengths that are not powers of two."""
+    rng = random.Random(7)
+    common = [rng.randrange(100, 49152) for _ in range(9)]
+    for i in range(6):
+        prompt = common + [rng.randrange(100, 49152) for _ in range(2 + 3 * i)]
+        engine.add_request(str(i), prompt, SamplingParams(n=1 + 2 * (i % 2), temperature=0.8, seed=i,
+                                                          max_tokens=5 + 4 * i, ignore_eos=True))
+
+
+@pytest.mark.parametrize("kv_policy,batching", COMBOS, ids=COMBO_IDS)
+def test_kv_usage_is_counted_as_defined(tiny_model_dir, monkeypatch, kv_policy, batching):
+    """At every step, held slots and stored tokens equal a per-token count over the tables (shared blocks once),
+    and the sums over steps add them up."""
+    engine = make_engine(tiny_model_dir, num_blocks=40, block_size=4, max_model_len=64, max_num_seqs=6,
+                         max_num_batched_tokens=24, kv_policy=kv_policy, batching=batching)
+    waste_workload(engine)
+    seen = []
+    commit = engine.scheduler.commit
+
+    def commit_and_count(plan):
+        commit(plan)
+        seen.append(slots_and_tokens_by_definition(engine))
+        usage = engine.stats()
+        assert (usage.kv_slots_held, usage.kv_tokens_stored) == seen[-1]
+
+    monkeypatch.setattr(engine.scheduler, "commit", commit_and_count)
+    run(engine)
+    stats = engine.stats()
+    assert stats.kv_steps == len(seen)
+    assert (stats.kv_slots_held_sum, stats.kv_tokens_stored_sum) == tuple(map(sum, zip(*seen)))
+    assert stats.kv_waste_fraction == pytest.approx(1 - stats.kv_tokens_stored_sum / stats.kv_slots_held_sum)
+    assert 0 <= stats.kv_waste_fraction <= 1 and 0 < stats.peak_num_running <= 6
+    sharing = (stats.prefix_cache_hits, stats.cow_copies)
+    assert all(sharing) if kv_policy == "paged" else not any(sharing)  # the counts above did meet shared blocks
+
+
+def test_paged_wastes_least(tiny_model_dir):
+    """On one workload: paged (tails of last blocks) < oracle (each reservation's last block) < pow2 < max."""
+    waste = {}
+    for kv_policy in KV_POLICIES:
+        engine = make_engine(tiny_model_dir, num_blocks=64, block_size=4, max_model_len=64, kv_policy=kv_policy)
+        waste_workload(engine)
+        run(engine)
+        waste[kv_policy] = engine.stats().kv_waste_fraction
+    assert 0 < waste["paged"] < waste["reserve-oracle"] < waste["reserve-pow2"] < waste["reserve-max"] < 1, waste
+
+
+@pytest.mark.parametrize("kv_policy,batching", COMBOS, ids=COMBO_IDS)
+def test_random_workload_with_aborts_keeps_invariants(tiny_model_dir, kv_policy, batching):
+    """Random arrivals, lengths, n and aborts in a pool tight enough to preempt under paging: invariants hold
+    after every step and every block is free at the end."""
+    engine = make_engine(tiny_model_dir, num_blocks=16, block_size=4, max_model_len=48, max_num_seqs=5,
+                         max_num_batched_tokens=16, kv_policy=kv_policy, batching=batching)
+    rng = random.Random(11)
+    for step in range(300):
+        if step < 20 and rng.random() < 0.8:
+            n = rng.choice([1, 1, 2])
+            params = SamplingParams(n=n, temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 16),
+                                    ignore_eos=rng.random() < 0.5, seed=step)
+            engine.add_request(str(step), [rng.randrange(100, 49152) for _ in range(rng.randint(1, 24))], params)
+        if engine.groups and rng.random() < 0.08:
+            engine.abort_request(rng.choice(sorted(engine.groups)))
+        engine.step()
+        engine.check_invariants()
+        if step >= 20 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    assert (engine.stats().preemptions > 0) == (kv_policy == "paged")  # a reservation never runs out
+
+
+def test_bad_values_raise_and_the_cli_takes_the_flags():
+    with pytest.raises(ValueError, match="kv_policy"):
+        EngineConfig(kv_policy="reserve")
+    with pytest.raises(ValueError, match="batching"):
+        EngineConfig(batching="dynamic")
+    assert not EngineConfig(kv_policy="reserve-oracle").enable_prefix_caching  # the baselines share nothing
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config(parser.parse_args(["--kv-policy", "reserve-pow2", "--batching", "static"]))
+    assert (config.kv_policy, config.batching) == ("reserve-pow2", "static")
+    config = engine_config(parser.parse_args([]))
+    assert (config.kv_policy, config.batching, config.enable_prefix_caching) == ("paged", "continuous", True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-policy", "contiguous"])
