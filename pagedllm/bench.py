@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable
 
+from pagedllm.hf_backend import add_hf_args
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
                     help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
+    add_hf_args(tp)
     tp.set_defaults(func=cmd_throughput)
 
     sh = sub.add_parser("sharing", help="KV memory saved by parallel sampling and beam search, and the throughput "
@@ -60,6 +62,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from pagedllm.llm import LLM
 
     config = engine_config(args)
+    if args.backend == "hf":
+        return report_throughput(args, hf_throughput(args, config))
     t_load = time.perf_counter()
     llm = LLM(**vars(config))
     load_s = time.perf_counter() - t_load
@@ -84,9 +88,28 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
+    return report_throughput(args, result)
+
+
+def hf_throughput(args: argparse.Namespace, config) -> dict:
+    """The same synthetic requests on Hugging Face transformers (pagedllm.hf_backend), continuous batching sized
+    with the engine's options."""
+    from types import SimpleNamespace
+
+    from pagedllm.hf_backend import ENGINE_OPTIONS, run_hf
+    from pagedllm.loader import load_model
+
+    vocab_size = load_model(config.model).config.vocab_size
+    requests = [SimpleNamespace(prompt_token_ids=ids, output_len=out) for ids, out in synthetic_requests(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size, args.seed)]
+    return run_hf(requests, config.model, config.dtype, args.hf_mode, args.hf_batch_size, config.threads,
+                  **{k: getattr(config, k) for k in ENGINE_OPTIONS})
+
+
+def report_throughput(args: argparse.Namespace, result: dict) -> int:
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
-          f"({n_in} prompt + {n_out} output tokens in {elapsed:.1f} s)")
+          f"({result['input_tokens']} prompt + {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
