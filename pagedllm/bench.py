@@ -22,6 +22,7 @@ from pagedllm.datasets import (
     stdlib_docstrings,
     text_prompts,
 )
+from pagedllm.hf_backend import add_hf_args
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -43,6 +44,7 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
     tp.add_argument("--prefix-len", type=int, default=200, help="shared-prefix dataset: tokens of the shared prefix")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
+    add_hf_args(tp)
     tp.set_defaults(func=cmd_throughput)
 
     sh = sub.add_parser("sharing", help="KV memory saved by parallel sampling and beam search, and the throughput "
@@ -69,13 +71,12 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from pagedllm.llm import LLM
 
     config = engine_config(args)
+    if args.backend == "hf":
+        return hf_throughput(args, config)
     t_load = time.perf_counter()
     llm = LLM(**vars(config))
     load_s = time.perf_counter() - t_load
-    requests = sample_requests(args.dataset, llm.get_tokenizer(), args.num_prompts, args.seed,
-                               dataset_path=args.dataset_path, input_len=args.input_len, output_len=args.output_len,
-                               max_model_len=llm.engine.max_model_len, n=args.n, beam_width=args.beam_width,
-                               prefix_len=args.prefix_len, range_ratio=args.range_ratio)
+    requests = workload_requests(args, llm.get_tokenizer(), llm.engine.max_model_len)
     workload = describe(requests)
     start = time.perf_counter()
     n_out = run_workload(llm, requests)
@@ -92,14 +93,44 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hits": llm.engine.stats().prefix_cache_hits,
         "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
+        "kv_policy": config.kv_policy, "batching": config.batching,
+        "kv_waste_fraction": round(llm.engine.stats().kv_waste_fraction, 4),
+        "peak_num_running": llm.engine.stats().peak_num_running,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
-    inp, out = workload["input_len"], workload["output_len"]
-    print(f"Workload: {args.dataset}, {len(requests)} requests, prompts mean {inp['mean']} / median {inp['median']} "
-          f"/ p90 {inp['p90']} tokens, outputs mean {out['mean']} / median {out['median']} / p90 {out['p90']}")
+    return report_throughput(args, result)
+
+
+def hf_throughput(args: argparse.Namespace, config) -> int:
+    """The same workload on Hugging Face transformers (pagedllm.hf_backend), continuous batching sized with the
+    engine's options."""
+    from pagedllm.hf_backend import ENGINE_OPTIONS, run_hf
+    from pagedllm.loader import load_tokenizer
+
+    requests = workload_requests(args, load_tokenizer(config.model), config.max_model_len)
+    if any(r.n > 1 or r.beam_width for r in requests):
+        raise ValueError("--backend hf runs single-sample greedy requests only (not parallel sampling or beam search)")
+    result = run_hf(requests, config.model, config.dtype, args.hf_mode, args.hf_batch_size, config.threads,
+                    **{k: getattr(config, k) for k in ENGINE_OPTIONS})
+    result.update(dataset=args.dataset, seed=args.seed, workload=describe(requests))
+    return report_throughput(args, result)
+
+
+def workload_requests(args: argparse.Namespace, tokenizer, max_model_len: int | None) -> list[BenchRequest]:
+    return sample_requests(args.dataset, tokenizer, args.num_prompts, args.seed, dataset_path=args.dataset_path,
+                           input_len=args.input_len, output_len=args.output_len, max_model_len=max_model_len,
+                           n=args.n, beam_width=args.beam_width, prefix_len=args.prefix_len,
+                           range_ratio=args.range_ratio)
+
+
+def report_throughput(args: argparse.Namespace, result: dict) -> int:
+    inp, out = result["workload"]["input_len"], result["workload"]["output_len"]
+    print(f"Workload: {args.dataset}, {result['num_prompts']} requests, prompts mean {inp['mean']} / median "
+          f"{inp['median']} / p90 {inp['p90']} tokens, outputs mean {out['mean']} / median {out['median']} / p90 "
+          f"{out['p90']}")
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
-          f"({n_in} prompt + {n_out} output tokens in {elapsed:.1f} s)")
+          f"({result['input_tokens']} prompt + {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm import attention
+from pagedllm import attention, kernels
 from pagedllm.attention import is_fast_path_available, paged_attention, write_kv
 
 # (context_len, new tokens) per sequence: decodes, whole prompts, chunks after a cached prefix, contexts and

@@ -12,7 +12,7 @@ import torch
 from test_engine import assert_matches_reference, hf_greedy
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.loader import load_model
+from pagedllm.hf_backend import load_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,20 +29,8 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_smollm2():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    loaded = load_model(None, torch.float32)
-    c = loaded.config
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
-                         rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-                         tie_word_embeddings=c.tie_word_embeddings)
-    model = LlamaForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model, loaded.tokenizer
+    model, tokenizer, _ = load_hf_model(None, torch.float32)
+    return model, tokenizer
 
 
 def test_greedy_fp32_matches_transformers_token_for_token(hf_smollm2):
