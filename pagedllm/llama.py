@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm import kernels
 from pagedllm.attention import paged_attention, write_kv
-from pagedllm.layers import RotaryEmbedding, add_rms_norm, swiglu
+from pagedllm.layers import PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
 from pagedllm.loader import ModelConfig
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
@@ -26,15 +26,18 @@ class AttentionMetadata:
     max_query_len: int
 
 
+Weight = torch.Tensor | PackedWeight
+
+
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # q, k and v projections fused into one matmul
+    qkv_weight: Weight  # q, k and v projections fused into one matmul
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # gate and up projections fused
-    down_weight: torch.Tensor
+    gate_up_weight: Weight  # gate and up projections fused
+    down_weight: Weight
 
 
 class LlamaModel:
@@ -49,8 +52,10 @@ class LlamaModel:
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
+        self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
+        self.lm_head_weight = self._weight(self.lm_head)
         self.norm = w["model.norm.weight"]
         self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -63,13 +68,17 @@ class LlamaModel:
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         return DecoderLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv_weight=torch.cat([w[n + ".weight"] for n in qkv]).contiguous(),
+            qkv_weight=self._weight(torch.cat([w[n + ".weight"] for n in qkv])),
             qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
-            o_weight=w[p + "self_attn.o_proj.weight"],
+            o_weight=self._weight(w[p + "self_attn.o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up_weight=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
-            down_weight=w[p + "mlp.down_proj.weight"],
+            gate_up_weight=self._weight(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down_weight=self._weight(w[p + "mlp.down_proj.weight"]),
         )
+
+    def _weight(self, weight: torch.Tensor) -> Weight:
+        """Packed for oneDNN except on the reference path, which stays plain torch."""
+        return PackedWeight(weight.contiguous()) if self.pack else weight.contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -81,13 +90,13 @@ class LlamaModel:
             x = add_rms_norm(delta, residual, layer.input_norm, eps, ext)
             delta = self._attention(layer, x, positions, meta, k_cache, v_cache)
             x = add_rms_norm(delta, residual, layer.post_norm, eps, ext)
-            delta = F.linear(swiglu(F.linear(x, layer.gate_up_weight), ext), layer.down_weight)
+            delta = linear(swiglu(linear(x, layer.gate_up_weight), ext), layer.down_weight)
         return add_rms_norm(delta, residual, self.norm, eps, ext)
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_attention_heads, c.head_dim)
         k = k.view(-1, c.num_key_value_heads, c.head_dim)
@@ -96,12 +105,12 @@ class LlamaModel:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                             self.scale, meta.max_query_len, backend=self.attention_backend)
-        return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
+        return linear(o.reshape(-1, self.q_size), layer.o_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit
         sizes, enough to tie or swap the top candidates, so the top few are recomputed in fp32 (S x k dot products)."""
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head_weight).float()
         if self.dtype == torch.float32:
             return logits
         top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices

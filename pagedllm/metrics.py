@@ -57,6 +57,8 @@ class EngineStats:
         self.num_requests_running_max = gauge(
             "num_requests_running_max", "Most requests running in one step since the server started.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 = all blocks taken.")
+        self.kv_waste_fraction = gauge(
+            "kv_waste_fraction", "Share of the KV token slots held by running requests that hold no token (last step).")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
@@ -95,12 +97,18 @@ class EngineStats:
         self.num_requests_waiting.set(waiting)
         self.num_requests_running_max.set(self._peak_running)
         self.kv_cache_usage_perc.set(kv_cache_usage(engine))
+        self._record_kv_waste(engine)
         preemptions = engine.scheduler.num_preemptions
         if preemptions > self._seen_preemptions:
             self.num_preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions
         self._record_prefix_cache_delta(engine)
         self._maybe_log_engine(engine, running, waiting)
+
+    def _record_kv_waste(self, engine: Any) -> None:
+        stats = engine.stats() if hasattr(engine, "stats") else None
+        if stats is not None and stats.kv_slots_held:
+            self.kv_waste_fraction.set(1 - stats.kv_tokens_stored / stats.kv_slots_held)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""

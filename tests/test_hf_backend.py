@@ -13,9 +13,9 @@ import torch
 from conftest import TINY_VOCAB
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench import synthetic_requests
 from pagedllm.cli import main
 from pagedllm.config import EngineConfig
+from pagedllm.datasets import synthetic_requests
 from pagedllm.hf_backend import (
     continuous_batching_config,
     continuous_manager,
