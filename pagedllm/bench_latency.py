@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import platform
@@ -209,12 +210,17 @@ def time_steps(engine: Any, steps: int) -> float:
 
 
 def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int) -> dict[str, Any]:
-    """Queue the batch, prefill it (timed), warm up, then time `steps` decode steps bare and `steps` more with the
-    timers on: the bare run gives the step time, the timed one its parts (they sum to its wall time)."""
+    """Run one short request untimed; queue the batch and prefill it (timed); warm up; then time `steps` decode
+    steps bare and `steps` more with the timers on: the bare run gives the step time, the timed one its parts (they
+    sum to its wall time)."""
     from pagedllm.sampling_params import SamplingParams
 
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
+    engine.add_request("latency-warmup", torch.randint(0, vocab, (8,), generator=gen).tolist(),
+                       SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2))  # a first forward, untimed
+    while engine.has_unfinished_requests():
+        engine.step()
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=case.tokens_per_seq - case.ctx)
     for i in range(case.batch):
         engine.add_request(f"latency-{i}", torch.randint(0, vocab, (case.ctx,), generator=gen).tolist(), params)
@@ -233,7 +239,7 @@ def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int)
                          f"{engine.scheduler.num_preemptions} preemptions; the KV cache is too small")
     parts = {p: timers.seconds[p] / steps * 1e3 for p in PARTS}
     parts["other"] = timed_ms - sum(parts.values())
-    return {"batch": case.batch, "ctx": case.ctx, "prefill_s": round(prefill_s, 4), "prefill_steps": prefill_steps,
+    return {"batch": case.batch, "ctx": case.ctx, "prefill_s": round(prefill_s, 6), "prefill_steps": prefill_steps,
             "prefill_tokens_per_s": round(case.batch * case.ctx / prefill_s, 1),
             "mean_context_len": round(tokens / case.batch + (steps - 1) / 2, 1),
             "step_ms": round(step_ms, 4), "tokens_per_s": round(case.batch / step_ms * 1e3, 2),
@@ -282,10 +288,28 @@ def skip_reason(case: LatencyCase, max_model_len: int, max_kv_bytes: float, pool
     return None
 
 
+def kv_pool_tokens(base: Any, config: Any, dtype: torch.dtype) -> int:
+    """KV slots of the cache the user sized with --num-blocks or --kv-cache-memory."""
+    from pagedllm.model_runner import kv_bytes_per_block
+
+    blocks = base.num_blocks or base.kv_cache_bytes // kv_bytes_per_block(config, base.block_size, dtype)
+    return blocks * base.block_size
+
+
+def sized_engine(base: Any, case: LatencyCase, user_sized: bool) -> Any:
+    """An engine for one run: every sequence of the batch runs at once (max_num_seqs and the token budget raised to
+    the batch if lower) and, unless the user sized the KV cache, a cache just large enough for the run."""
+    from pagedllm.engine import LLMEngine
+
+    sized = {} if user_sized else {"num_blocks": case.batch * (math.ceil(case.tokens_per_seq / base.block_size) + 1),
+                                   "max_model_len": None}  # checked against the model's in skip_reason
+    return LLMEngine(dataclasses.replace(base, max_num_seqs=max(base.max_num_seqs, case.batch),
+                                         max_num_batched_tokens=max(base.max_num_batched_tokens, case.batch), **sized))
+
+
 def cmd_latency(args: argparse.Namespace) -> int:
     from pagedllm.cli import engine_config
     from pagedllm.config import EngineConfig
-    from pagedllm.engine import LLMEngine
     from pagedllm.loader import load_model
     from pagedllm.model_runner import kv_bytes_per_block
 
@@ -298,12 +322,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     torch.set_num_threads(base.num_threads)
     config = load_model(base.model, dtype).config  # the shape, to size each run's KV cache before its engine
     machine = machine_for(args, base.torch_dtype_name)
-    per_token = kv_bytes_per_block(config, 1, dtype)
     max_model_len = min(config.max_position_embeddings, base.max_model_len or config.max_position_embeddings)
-    pool_tokens = None
-    if user_sized:
-        pool_tokens = (base.num_blocks or base.kv_cache_bytes // kv_bytes_per_block(config, base.block_size, dtype)
-                       ) * base.block_size
+    pool_tokens = kv_pool_tokens(base, config, dtype) if user_sized else None
     result: dict[str, Any] = {
         "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": base.torch_dtype_name,
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
@@ -311,23 +331,20 @@ def cmd_latency(args: argparse.Namespace) -> int:
         "machine": {**dataclasses.asdict(machine), "cpus": os.cpu_count(), "arch": platform.machine()},
         "parts": PART_HELP, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "rows": [], "skipped": []}
     for batch in batches:
-        budget = max(base.max_num_batched_tokens, batch)
         for ctx in ctxs:
-            case = plan_case(batch, ctx, steps, args.warmup_steps, budget, per_token)
+            case = plan_case(batch, ctx, steps, args.warmup_steps, max(base.max_num_batched_tokens, batch),
+                             kv_bytes_per_block(config, 1, dtype))
             reason = skip_reason(case, max_model_len, args.max_kv_gib * GIB, pool_tokens)
             if reason:
                 print(f"skipping batch {batch} x context {ctx}: {reason}")
                 result["skipped"].append({"batch": batch, "ctx": ctx, "reason": reason})
                 continue
-            num_blocks = base.num_blocks if user_sized else batch * (
-                math.ceil(case.tokens_per_seq / base.block_size) + 1)
-            engine = LLMEngine(dataclasses.replace(  # max_model_len is checked above, against the sized pool
-                base, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max(base.max_num_seqs, batch),
-                max_model_len=base.max_model_len if user_sized else None))
+            engine = sized_engine(base, case, user_sized)
             row = run_case(engine, case, steps, args.warmup_steps, base.seed)
+            row.update(num_blocks=engine.block_manager.num_total_blocks,
+                       bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine))
             del engine  # its KV cache goes before the next one is allocated
-            row.update(num_blocks=num_blocks, bound=decode_bound(
-                config, dtype, batch, row["mean_context_len"] * batch, machine))
+            gc.collect()
             result["rows"].append(row)
             print_latency_row(row, header=len(result["rows"]) == 1)
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
