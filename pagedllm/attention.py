@@ -7,7 +7,8 @@ owns ``q[query_start_loc[s]:query_start_loc[s+1]]``, which are the last tokens o
 Backends: ``"reference"`` gathers each sequence's blocks and runs a masked softmax in fp32 (the oracle of the
 tests); ``"cpp"`` runs ``csrc/paged_attention.cpp``, compiled once per source version into the torch
 extensions cache on first use; ``"auto"`` takes the kernel when it compiled and otherwise the reference, with
-one warning. Run ``python -m pagedllm.attention`` for a benchmark table.
+one warning. ``pagedllm bench attention`` (pagedllm/bench_latency.py) times them against each other and against
+the same kernel over consecutive blocks and SDPA over a dense cache.
 """
 
 from __future__ import annotations
@@ -122,89 +123,3 @@ def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if not k_cache.is_contiguous():
         return "the KV cache is not contiguous"
     return ""
-
-
-def bench_attention(num_threads: int = 2, repeats: int = 15) -> None:
-    """Print a markdown table: decode and prefill times of the kernel, the reference, and SDPA (contiguous cache).
-
-    Decode: 32 sequences, context ~U(100, 1000), block 16, blocks in random order; four layers' caches are
-    used in turn so the KV cache is cold, as in a forward pass. Variants run round-robin, so background load
-    hits them alike; the table shows medians.
-    """
-    import statistics
-    import time
-
-    import torch.nn.functional as F
-
-    torch.set_num_threads(num_threads)
-    gen = torch.Generator().manual_seed(0)
-
-    def paged_inputs(lens: list[int], kv_heads: int, dtype: torch.dtype, layers: int, block: int = 16):
-        nblocks = [math.ceil(n / block) for n in lens]
-        tables = torch.zeros(len(lens), max(nblocks), dtype=torch.int32)
-        for s, chunk in enumerate(torch.randperm(sum(nblocks), generator=gen).split(nblocks)):
-            tables[s, : len(chunk)] = chunk
-        caches = [torch.randn(sum(nblocks), block, kv_heads, 64, generator=gen).to(dtype) for _ in range(2 * layers)]
-        return tables, caches
-
-    def paged_fn(q, caches, tables, ctx, qsl, max_q, backend):
-        layers = len(caches) // 2
-        return lambda i: paged_attention(q, caches[2 * (i % layers)], caches[2 * (i % layers) + 1], tables, ctx,
-                                         qsl, 0.125, max_q, backend)
-
-    def sdpa_fn(q4, dense, mask):
-        layers = len(dense) // 2
-        return lambda i: F.scaled_dot_product_attention(q4, dense[2 * (i % layers)], dense[2 * (i % layers) + 1],
-                                                        attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-
-    def measure(variants: dict, reps: int) -> dict[str, float]:
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(reps + 1):
-            for name, fn in variants.items():
-                if name == "reference" and i > max(2, reps // 5):
-                    continue
-                t0 = time.perf_counter()
-                fn(i)
-                if i:  # round 0 warms up
-                    times[name].append(time.perf_counter() - t0)
-        return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-    rows = []
-    for heads, kv_heads in [(9, 3), (12, 12)]:
-        lens = torch.randint(100, 1001, (32,), generator=gen).tolist()
-        ctx = torch.tensor(lens, dtype=torch.int32)
-        qsl = torch.arange(33, dtype=torch.int32)
-        mask = (torch.arange(max(lens))[None, :] < ctx[:, None]).view(32, 1, 1, -1)
-        for dtype in (torch.float32, torch.bfloat16):
-            tables, caches = paged_inputs(lens, kv_heads, dtype, layers=4)
-            q = torch.randn(32, heads, 64, generator=gen).to(dtype)
-            dense = [torch.randn(32, kv_heads, max(lens), 64, generator=gen).to(dtype) for _ in range(8)]
-            result = measure({"cpp": paged_fn(q, caches, tables, ctx, qsl, 1, "cpp"),
-                              "reference": paged_fn(q, caches, tables, ctx, qsl, 1, "reference"),
-                              "sdpa": sdpa_fn(q.view(32, heads, 1, 64), dense, mask)}, repeats)
-            rows.append((f"decode 32 seqs, ctx~U(100,1000), {heads}/{kv_heads}x64", dtype, result))
-    for heads, kv_heads in [(9, 3), (12, 12)]:
-        for n in (512, 2048):
-            ctx = torch.tensor([n], dtype=torch.int32)
-            qsl = torch.tensor([0, n], dtype=torch.int32)
-            for dtype in (torch.float32, torch.bfloat16):
-                tables, caches = paged_inputs([n], kv_heads, dtype, layers=1)
-                q = torch.randn(n, heads, 64, generator=gen).to(dtype)
-                dense = [torch.randn(1, kv_heads, n, 64, generator=gen).to(dtype) for _ in range(2)]
-                result = measure({"cpp": paged_fn(q, caches, tables, ctx, qsl, n, "cpp"),
-                                  "reference": paged_fn(q, caches, tables, ctx, qsl, n, "reference"),
-                                  "sdpa": sdpa_fn(q.transpose(0, 1).unsqueeze(0), dense, None)},
-                                 max(3, repeats * 256 // n))
-                rows.append((f"prefill {n} tokens, 1 seq, {heads}/{kv_heads}x64", dtype, result))
-
-    print(f"torch threads={num_threads}; median ms per layer call; SDPA runs on a contiguous (non-paged) cache")
-    print("| case | dtype | cpp | reference | contiguous SDPA | cpp / SDPA |\n|---|---|---:|---:|---:|---:|")
-    for name, dtype, r in rows:
-        print(f"| {name} | {str(dtype)[6:]} | {r['cpp']:.2f} | {r['reference']:.2f} | {r['sdpa']:.2f} | "
-              f"{r['cpp'] / r['sdpa']:.2f} |")
-
-
-if __name__ == "__main__":
-    import sys
-
-    bench_attention(num_threads=int(sys.argv[1]) if len(sys.argv) > 1 else 2)

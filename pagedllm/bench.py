@@ -64,6 +64,9 @@ def add_bench_commands(sub: argparse._SubParsersAction, add_engine_args: Callabl
     from pagedllm.bench_serve import add_command
 
     add_command(sub, add_engine_args)
+    from pagedllm.bench_latency import add_command as add_latency_commands
+
+    add_latency_commands(sub, add_engine_args)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:

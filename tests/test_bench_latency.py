@@ -1,0 +1,112 @@
+"""`bench latency --quick` and `bench attention --quick` on tiny sizes, and the step timers on their own.
+Only behaviour is asserted (keys, consistency of the numbers, timers removed after), never a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import llama, model_runner
+from pagedllm.bench_latency import PARTS, Machine, StepTimers, decode_bound, plan_case
+from pagedllm.cli import main
+from pagedllm.config import EngineConfig
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def latency_result(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("latency")
+    assert main(["bench", "latency", "--quick", "--model", tiny_model_dir, "--dtype", "float32",
+                 "--output-json", str(out / "latency.json"), "--plot", str(out / "latency.png")]) == 0
+    assert (out / "latency.png").stat().st_size > 0
+    return json.loads((out / "latency.json").read_text())
+
+
+def test_latency_json_has_a_row_per_batch_and_context(latency_result):
+    r = latency_result
+    assert {"model", "dtype", "threads", "machine", "steps", "loadavg_before", "loadavg_after", "skipped"} <= r.keys()
+    assert r["steps"] == 3 and not r["skipped"]
+    assert [(row["batch"], row["ctx"]) for row in r["rows"]] == [(1, 32), (1, 64), (8, 32), (8, 64)]
+
+
+def test_latency_parts_add_up_to_the_step(latency_result):
+    for row in latency_result["rows"]:
+        parts = row["parts_ms"]
+        assert set(parts) == {*PARTS, "other"}
+        assert all(v >= -1e-3 for v in parts.values()), parts  # rounding to 4 decimals only
+        assert sum(parts.values()) == pytest.approx(row["timed_step_ms"], abs=0.01)
+        assert sum(v for p, v in parts.items() if p != "other") <= row["timed_step_ms"] + 0.01
+        assert parts["linear"] > 0 and parts["attention"] > 0 and parts["sampling"] > 0
+        # every decoder layer's four projections, one attention per layer, a detokenizer step per sequence
+        calls = row["calls_per_step"]
+        assert calls["linear"] == 2 * 4 and calls["attention"] == 2 and calls["detokenize"] == row["batch"]
+
+
+def test_latency_rates_and_bounds_are_consistent(latency_result):
+    for row in latency_result["rows"]:
+        assert row["step_ms"] > 0 and row["prefill_s"] > 0 and row["prefill_steps"] >= 1
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["step_ms"] * 1e3, rel=1e-3)
+        assert row["prefill_tokens_per_s"] == pytest.approx(row["batch"] * row["ctx"] / row["prefill_s"], rel=1e-2)
+        assert row["ctx"] < row["mean_context_len"] < row["ctx"] + 20
+        b = row["bound"]
+        assert b["ms"] == pytest.approx(b["linear_ms"] + b["kv_ms"], abs=1e-3) and b["kv_ms"] > 0
+        assert b["tokens_per_s"] == pytest.approx(row["batch"] / b["ms"] * 1e3, rel=1e-2)
+
+
+def test_decode_bound_counts_weights_flops_and_kv():
+    config = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=1000)
+    params = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    machine = Machine(peak_gflops=1.0, mem_gbps=1.0)
+    small = decode_bound(config, torch.float32, 1, 100, machine)
+    assert small["weight_bytes"] == 4 * params and small["linear_flops"] == 2 * params
+    assert small["kv_bytes"] == 100 * 2 * 2 * 32 * 4
+    assert small["linear_ms"] == pytest.approx(4 * params / 1e9 * 1e3, rel=1e-3)  # memory-bound at batch 1
+    big = decode_bound(config, torch.bfloat16, 64, 100, machine)
+    assert big["linear_ms"] == pytest.approx(2 * 64 * params / 1e9 * 1e3, rel=1e-3)  # compute-bound
+
+
+def test_plan_case_leaves_room_for_decodes_during_prefill():
+    case = plan_case(batch=8, ctx=100, steps=5, warmup=2, budget=64, kv_bytes_per_token=10)
+    assert case.tokens_per_seq >= 100 + math.ceil(800 / 56) + 2 + 10
+    assert case.kv_bytes == 8 * case.tokens_per_seq * 10
+
+
+def test_step_timers_restore_everything(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_blocks=64))
+    model = engine.runner.model
+    before = (llama.F, llama.paged_attention, model_runner.sample, model_runner.SamplingBatch,
+              IncrementalDetokenizer.step, model.rotary)
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0))
+    with StepTimers(engine) as timers:
+        assert llama.F is not F and llama.F.embedding is F.embedding
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert timers.calls["schedule"] > 0 and timers.calls["logits"] == 4 and timers.calls["linear"] == 4 * 2 * 4
+    after = (llama.F, llama.paged_attention, model_runner.sample, model_runner.SamplingBatch,
+             IncrementalDetokenizer.step, model.rotary)
+    assert all(a is b for a, b in zip(before, after))
+    assert not {"schedule", "commit"} & vars(engine.scheduler).keys()
+    assert not {"forward", "compute_logits"} & vars(model).keys() and "_output" not in vars(engine)
+
+
+def test_bench_attention_quick(tmp_path):
+    path = tmp_path / "attention.json"
+    assert main(["bench", "attention", "--quick", "--threads", "1", "--repeats", "2", "--output-json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["kind"], r["dtype"]) for r in rows} == {(k, d) for k in ("decode", "prefill")
+                                                        for d in ("float32", "bfloat16")}
+    for r in rows:
+        assert all(r[f"{v}_ms"] > 0 for v in ("cpp", "cpp_consecutive", "reference", "sdpa"))
+        assert r["paging_cost"] == pytest.approx(r["cpp_ms"] / r["cpp_consecutive_ms"], rel=1e-2)
+        assert r["cpp_over_sdpa"] == pytest.approx(r["cpp_ms"] / r["sdpa_ms"], rel=1e-2)
+        assert r["same_output_consecutive"]  # same kernel, same keys and values, only the blocks moved
+        tol = 1e-4 if r["dtype"] == "float32" else 5e-2
+        assert max(r["max_abs_diff"].values()) < tol, r["max_abs_diff"]
