@@ -38,10 +38,10 @@ PARTS = ("schedule", "prepare", "linear", "rotary", "kv_write", "attention", "no
          "logits", "sampling", "detokenize", "output")
 PART_HELP = {
     "schedule": "scheduler.schedule + commit", "prepare": "model_runner.prepare (batch tensors)",
-    "linear": "F.linear in the decoder layers", "rotary": "model.rotary", "kv_write": "write_kv",
+    "linear": "the decoder layers' matmuls (layers.linear)", "rotary": "model.rotary", "kv_write": "write_kv",
     "attention": "paged_attention", "norm": "add_rms_norm", "activation": "swiglu",
     "forward_rest": "the rest of model.forward (embedding, views, the layer loop)",
-    "logits": "model.compute_logits (lm_head)", "sampling": "SamplingBatch.build + sample",
+    "logits": "model.compute_logits / top_logits (lm_head)", "sampling": "SamplingBatch.build + sample",
     "detokenize": "incremental detokenizer", "output": "engine._process_token (minus detokenize), _output",
     "other": "step wall time minus every part above",
 }
@@ -63,7 +63,7 @@ class StepTimers:
     """perf_counter wrappers around what an engine step calls, installed on enter and removed on exit, so the
     engine's hot path carries no timing code. Times are exclusive: a timed call inside another counts only for
     itself (model.forward's part is what its timed calls leave), except inside model.compute_logits, which takes
-    its lm_head F.linear along (an opaque part)."""
+    its lm_head matmul along (an opaque part)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -78,13 +78,13 @@ class StepTimers:
         from pagedllm.tokenizer import IncrementalDetokenizer
 
         engine, model = self.engine, self.engine.runner.model
-        self._set(llama, "F", _Delegate(F, linear=self._timed("linear", F.linear)))
-        for name, part in (("paged_attention", "attention"), ("write_kv", "kv_write"), ("add_rms_norm", "norm"),
-                           ("swiglu", "activation")):
+        for name, part in (("linear", "linear"), ("paged_attention", "attention"), ("write_kv", "kv_write"),
+                           ("add_rms_norm", "norm"), ("swiglu", "activation")):
             self._wrap(llama, name, part)
         self._wrap(model, "forward", "forward_rest")
         self._wrap(model, "rotary", "rotary")
         self._wrap(model, "compute_logits", "logits", opaque=True)
+        self._wrap(model, "top_logits", "logits", opaque=True)  # the greedy path's logits
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.scheduler, "commit", "schedule")
         self._wrap(engine.runner, "prepare", "prepare")

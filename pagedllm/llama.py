@@ -114,5 +114,22 @@ class LlamaModel:
         if self.dtype == torch.float32:
             return logits
         top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices
-        exact = torch.einsum("sd,skd->sk", hidden.float(), self.lm_head[top].float())
-        return logits.scatter_(1, top, exact)
+        return logits.scatter_(1, top, self._exact_logits(hidden, top))
+
+    def top_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What greedy decoding needs of compute_logits' output, without making it: each row's top candidates
+        (fp32 values [S, k], ids [S, k]) and its logsumexp [S], from one C++ pass over the model-dtype logits."""
+        assert self.ext is not None, "top_logits needs the C++ kernels"
+        logits = linear(hidden, self.lm_head_weight)
+        values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
+        if self.dtype == torch.float32:
+            return values, ids, lse
+        exact = self._exact_logits(hidden, ids)
+        # Swap the candidates' rounded terms in the sum for their exact ones.
+        rest = (1 - (values - lse[:, None]).exp().sum(-1)).clamp_min(0)
+        lse = lse + (rest + (exact - lse[:, None]).exp().sum(-1)).log()
+        return exact, ids, lse
+
+    def _exact_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [S, k] of the token ids [S, k]."""
+        return torch.einsum("sd,skd->sk", hidden.float(), self.lm_head[ids].float())

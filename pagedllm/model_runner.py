@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.llama import AttentionMetadata, LlamaModel
 from pagedllm.loader import ModelConfig
-from pagedllm.sampler import SamplerOutput, SamplingBatch, sample
+from pagedllm.sampler import SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
 from pagedllm.scheduler import SchedulerOutput
 from pagedllm.sequence import Sequence
 
@@ -71,12 +71,13 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
-        logits = self.model.compute_logits(hidden[logit_rows])
         seqs = [seq for s in plan.scheduled for seq in s.samplers]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_ids=self.eos_token_ids)
-        return sample(logits, batch)
+        if batch.is_plain_greedy and self.model.ext is not None:
+            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows]))
+        return sample(self.model.compute_logits(hidden[logit_rows]), batch)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) block of the step in one batched gather/scatter per cache tensor."""

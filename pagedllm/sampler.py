@@ -114,6 +114,11 @@ class SamplingBatch:
         )
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the whole distribution: the top candidates and logsumexp suffice."""
+        return self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
+
+    @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
 
@@ -146,6 +151,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     else:
         token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch))
     return _logprobs(raw, token_ids, batch.num_logprobs)
+
+
+def sample_greedy_from_top(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor) -> SamplerOutput:
+    """Greedy from each row's top candidates (values/ids [S, k]) and logsumexp [S]: the largest value, the lowest
+    id among equal ones (as argmax over the whole row picks)."""
+    best = values.max(dim=-1, keepdim=True).values
+    token_ids = torch.where(values == best, ids, torch.iinfo(torch.int64).max).min(dim=-1).values
+    return SamplerOutput(token_ids=token_ids, logprobs=best.squeeze(1) - lse, top_logprobs=None)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -76,3 +76,38 @@ def test_bad_input_is_an_error_not_a_crash(ext) -> None:
         ext.silu_mul(torch.randn(2, 3))
     with pytest.raises(RuntimeError, match="weight"):
         ext.add_rms_norm(None, torch.randn(2, 8), torch.ones(4), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_logsumexp(ext, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(5, 5000, generator=g) * 4).to(dtype)
+    logits[1, 100:140] = 50.0  # ties: the lower ids come first, as argmax and a stable sort give
+    values, ids, lse = ext.top_k_logsumexp(logits, 16)
+    ref = logits.float()
+    torch.testing.assert_close(lse, ref.logsumexp(-1))
+    order = torch.sort(-ref, dim=-1, stable=True)
+    assert torch.equal(values, -order.values[:, :16]) and torch.equal(ids, order.indices[:, :16])
+    assert ids[1].tolist() == list(range(100, 116))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype) -> None:
+    """LlamaModel.top_logits + sample_greedy_from_top give compute_logits + sample's greedy token and logprob."""
+    from pagedllm.llama import LlamaModel
+    from pagedllm.loader import load_model
+    from pagedllm.sampler import SamplingBatch, sample, sample_greedy_from_top
+    from pagedllm.sampling_params import SamplingParams
+
+    loaded = load_model(tiny_model_dir, dtype)
+    model = LlamaModel(loaded.config, loaded.weights, dtype)
+    if model.ext is None:
+        pytest.skip("kernels did not build")
+    hidden = (torch.randn(9, loaded.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 9, [[1]] * 9, [[]] * 9, [None] * 9,
+                                loaded.config.vocab_size)
+    assert batch.is_plain_greedy
+    slow = sample(model.compute_logits(hidden), batch)
+    fast = sample_greedy_from_top(*model.top_logits(hidden))
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)

@@ -330,3 +330,21 @@ def test_batch_fields_are_none_when_unused():
     assert batch.output_counts is None and batch.seen_mask is None and batch.banned is None
     assert batch.generators == {} and batch.num_logprobs is None
     assert not batch.all_greedy and not batch.all_random
+
+
+def test_greedy_from_top_picks_the_lowest_id_among_equal_maxima() -> None:
+    from pagedllm.sampler import sample_greedy_from_top
+
+    values = torch.tensor([[3.0, 5.0, 5.0, 1.0], [2.0, 1.0, 0.0, -1.0]])
+    ids = torch.tensor([[7, 9, 4, 2], [11, 3, 5, 6]])
+    out = sample_greedy_from_top(values, ids, torch.tensor([6.0, 2.5]))
+    assert out.token_ids.tolist() == [4, 11]
+    assert out.logprobs.tolist() == [-1.0, -0.5]
+
+
+def test_plain_greedy_needs_nothing_else() -> None:
+    plain = build([SamplingParams(temperature=0)] * 2, 10)
+    assert plain.is_plain_greedy
+    for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, repetition_penalty=1.2),
+                   SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=1)):
+        assert not build([params], 10, eos_token_ids=(2,)).is_plain_greedy, params

@@ -10,6 +10,7 @@ at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual
                         double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
+std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -18,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (if given), then RMSNorm(residual) * weight", nogil);
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused [gate | up] projection", nogil);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half convention", nogil);
+  m.def("top_k_logsumexp", &top_k_logsumexp, "Each row's k largest logits (values, ids) and its logsumexp", nogil);
 }

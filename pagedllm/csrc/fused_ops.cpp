@@ -8,9 +8,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -186,4 +189,75 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const 
     rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
                           cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), pos);
   });
+}
+
+namespace {
+
+// One pass over a row of logits: its k largest (value, index) pairs, largest first, and log(sum(exp(row))).
+// The sum runs online per element (running max and rescaled sum), so the row is read once.
+template <typename T>
+void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64_t* top_i, float* lse) {
+  std::vector<float> x(std::min<int64_t>(V, 4096));
+  float m = -INFINITY, s = 0.0f;
+  int64_t filled = 0, min_at = 0;
+  float threshold = -INFINITY;  // the smallest kept value once k are kept
+  for (int64_t c0 = 0; c0 < V; c0 += static_cast<int64_t>(x.size())) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(x.size()), V - c0);
+    load_row(row + c0, x.data(), n);
+    float cm = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) cm = x[i] > cm ? x[i] : cm;
+    if (cm > m) {
+      s *= exp_nonpos(m - cm);
+      m = cm;
+    }
+    float cs = 0.0f;
+    for (int64_t i = 0; i < n; ++i) cs += exp_nonpos(x[i] - m);
+    s += cs;
+    if (cm <= threshold) continue;
+    for (int64_t i = 0; i < n; ++i) {
+      if (filled == k && !(x[i] > threshold)) continue;
+      if (filled < k) {
+        top_v[filled] = x[i];
+        top_i[filled++] = c0 + i;
+      } else {
+        top_v[min_at] = x[i];
+        top_i[min_at] = c0 + i;
+      }
+      if (filled == k) {
+        min_at = 0;
+        for (int64_t j = 1; j < k; ++j)
+          if (top_v[j] < top_v[min_at] || (top_v[j] == top_v[min_at] && top_i[j] > top_i[min_at])) min_at = j;
+        threshold = top_v[min_at];
+      }
+    }
+  }
+  // Largest first; among equal values the lower index first (what argmax picks).
+  for (int64_t a = 1; a < filled; ++a)
+    for (int64_t b = a; b > 0 && (top_v[b] > top_v[b - 1] || (top_v[b] == top_v[b - 1] && top_i[b] < top_i[b - 1]));
+         --b) {
+      std::swap(top_v[b], top_v[b - 1]);
+      std::swap(top_i[b], top_i[b - 1]);
+    }
+  *lse = m + std::log(s);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k) {
+  check_rows(logits, "logits");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocab]");
+  at::Tensor values = at::empty({S, k}, logits.options().dtype(at::kFloat));
+  at::Tensor indices = at::empty({S, k}, logits.options().dtype(at::kLong));
+  at::Tensor lse = at::empty({S}, logits.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "top_k_logsumexp", [&] {
+    const scalar_t* base = logits.data_ptr<scalar_t>();
+    float* v = values.data_ptr<float>();
+    int64_t* ix = indices.data_ptr<int64_t>();
+    float* l = lse.data_ptr<float>();
+    at::parallel_for(0, S, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) top_k_logsumexp_row(base + r * V, V, k, v + r * k, ix + r * k, l + r);
+    });
+  });
+  return {values, indices, lse};
 }
