@@ -96,12 +96,24 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hits": llm.engine.stats().prefix_cache_hits,
         "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
+        "machine_bound": machine_bound(llm.engine, config, requests),
         "kv_policy": config.kv_policy, "batching": config.batching,
         "kv_waste_fraction": round(llm.engine.stats().kv_waste_fraction, 4),
         "peak_num_running": llm.engine.stats().peak_num_running,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
     return report_throughput(args, result)
+
+
+def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
+    """bench_latency.workload_bound at this dtype's measured matmul peak and 20 GB/s."""
+    import torch
+
+    from pagedllm.bench_latency import PEAK_GFLOPS, Machine, workload_bound
+
+    machine = Machine(PEAK_GFLOPS[config.torch_dtype_name], 20.0)
+    pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
+    return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine)
 
 
 def hf_throughput(args: argparse.Namespace, config) -> int:
@@ -131,6 +143,12 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
     print(f"Workload: {args.dataset}, {result['num_prompts']} requests, prompts mean {inp['mean']} / median "
           f"{inp['median']} / p90 {inp['p90']} tokens, outputs mean {out['mean']} / median {out['median']} / p90 "
           f"{out['p90']}")
+    bound = result.get("machine_bound")
+    if bound:
+        print(f"Machine-limit estimate ({bound['peak_gflops']:.0f} GFLOP/s matmul, {bound['mem_gbps']:.0f} GB/s): "
+              f"{bound['output_tokens_per_s']} output tokens/s (compute {bound['compute_s']} s + KV reads "
+              f"{bound['kv_read_s']} s; longest output's steps {bound['longest_output_steps_s']} s); this run: "
+              f"{result['output_tokens_per_s'] / bound['output_tokens_per_s']:.0%}")
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
           f"({result['input_tokens']} prompt + {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s)")

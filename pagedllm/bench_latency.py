@@ -184,6 +184,28 @@ def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: fl
             "tokens_per_s": round(batch / (linear_ms + kv_ms) * 1e3, 1)}
 
 
+def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine) -> dict:
+    """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
+    linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
+    bandwidth; and never less than the longest output's decode steps, each reading every weight once."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    layer_params = config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    head_params = config.vocab_size * h
+    prompt, output = sum(p for p, _ in requests), sum(o for _, o in requests)
+    flops = 2 * layer_params * (prompt + output) + 2 * head_params * output
+    kv_token_bytes = config.num_hidden_layers * 2 * kv * elem
+    kv_read = sum(o * p + o * (o - 1) // 2 for p, o in requests) * kv_token_bytes  # context read per decode
+    compute_s = flops / (machine.peak_gflops * 1e9)
+    kv_s = kv_read / (machine.mem_gbps * 1e9)
+    steps_s = max((o for _, o in requests), default=0) * (layer_params + head_params) * elem / (machine.mem_gbps * 1e9)
+    bound_s = max(compute_s + kv_s, steps_s)
+    return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "compute_s": round(compute_s, 2),
+            "kv_read_s": round(kv_s, 2), "longest_output_steps_s": round(steps_s, 2), "bound_s": round(bound_s, 2),
+            "output_tokens_per_s": round(output / bound_s, 1) if bound_s else None}
+
+
 # ---- bench latency -------------------------------------------------------------------------------------------------
 @dataclass
 class LatencyCase:
