@@ -9,7 +9,9 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))  # not compiled on their own, but part of the build's identity
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -29,7 +31,8 @@ def load() -> ModuleType | None:
                 from torch.utils.cpp_extension import load as load_extension
 
                 # -march=native: a build is only valid for this CPU, so its features are part of the name.
-                key = b"".join(p.read_bytes() for p in _SOURCES) + repr(_CFLAGS).encode() + _cpu_flags().encode()
+                key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+                key += repr(_CFLAGS).encode() + _cpu_flags().encode()
                 digest = hashlib.sha256(key).hexdigest()[:16]
                 _ext = load_extension(name=f"pagedllm_kernels_{digest}", sources=[str(p) for p in _SOURCES],
                                       extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "exp2_poly.h"
+
 namespace {
 
 // float -> bfloat16 -> float, round to nearest even (what a bf16 torch op's store does); NaN stays NaN.
@@ -39,15 +41,7 @@ inline float exp_nonpos(float x) {
   float t = x * 1.4426950408889634f;
   t = t < -125.0f ? -125.0f : t;
   const float n = (t + 12582912.0f) - 12582912.0f;  // round to an integer
-  const float f = t - n;
-  float p = 1.525273380405984e-05f;
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.550410866482158e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
+  const float p = exp2_poly(t - n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp2_poly.h"
+
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -69,15 +71,7 @@ inline v16 vexp2(v16 x) {
   x = x < lo ? lo : x;
   const v16 magic = vset(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const v16 n = (x + magic) - magic;
-  const v16 f = x - n;  // in [-0.5, 0.5]
-  v16 p = vset(1.525273380405984e-05f);
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.550410866482158e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
+  const v16 p = exp2_poly(x - n);  // x - n in [-0.5, 0.5]
   const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
   return p * (v16)e;
 }

@@ -1,0 +1,15 @@
+// 2^f for f in [-0.5, 0.5]: the degree-7 polynomial behind the kernels' exp (relative error ~1e-7). Shared by
+// the vector code of paged_attention.cpp (v16) and the scalar loops of fused_ops.cpp (float), which the compiler
+// vectorises.
+#pragma once
+
+template <typename V>
+inline V exp2_poly(V f) {
+  V p = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  return p * f + 1.0f;
+}
