@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.bench_serve import ServerProcess as Server
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -30,53 +27,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 # ---- server processes ------------------------------------------------------------------------------------
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(model_dir: str, log: Path, *args: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--dtype", "float32", "--threads", "1", "--attention-backend", "reference", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    return Server(proc, f"http://127.0.0.1:{port}", log)
-
-
-def wait_ready(server: Server, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"server not ready after {timeout}s:\n{server.log_tail()}")
-
-
-def stop(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    """`pagedllm serve` on the tiny model (this tree's pagedllm), started when its `with` is entered."""
+    return Server(["--model", model_dir, "--dtype", "float32", "--threads", "1", "--attention-backend", "reference",
+                   *args], str(log), timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +38,11 @@ def servers(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> It
     """Two servers started together: a roomy one for most tests, a tight one (one running sequence, two
     waiting requests, an API key) for backpressure and auth."""
     logs = tmp_path_factory.mktemp("server-logs")
-    main = launch(tiny_model_dir, logs / "main.log", "--num-blocks", "192", "--max-model-len", "1024")
-    small = launch(tiny_model_dir, logs / "small.log", "--num-blocks", "64", "--max-num-seqs", "1",
-                   "--max-waiting-requests", "2", "--api-key", API_KEY)
-    try:
-        wait_ready(main)
-        wait_ready(small)
+    with (launch(tiny_model_dir, logs / "main.log", "--num-blocks", "192", "--max-model-len", "1024") as main,
+          launch(tiny_model_dir, logs / "small.log", "--num-blocks", "64", "--max-num-seqs", "1",
+                 "--max-waiting-requests", "2", "--api-key", API_KEY) as small):
         yield main, small
-    finally:
-        stop(main)
-        stop(small)
-    assert "Traceback" not in main.log.read_text(errors="replace"), main.log_tail()
+    assert "Traceback" not in Path(main.log_path).read_text(errors="replace"), main.log_tail()
 
 
 @pytest.fixture(scope="module")
