@@ -113,7 +113,8 @@ def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
 
     machine = Machine(PEAK_GFLOPS[config.torch_dtype_name], 20.0)
     pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
-    return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine)
+    return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
+                          int4=engine.runner.model.num_int4_matmuls > 0)
 
 
 def hf_throughput(args: argparse.Namespace, config) -> int:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers import INT4_MAX_ROWS, Int4Weight
+
 GIB = 1 << 30
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128)
 DEFAULT_CONTEXT_LENS = (128, 512, 2048)
@@ -166,40 +168,53 @@ def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int 
     return result
 
 
-def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: float, machine: Machine
-                 ) -> dict[str, float]:
-    """The fastest a decode step of `batch` sequences holding `context_tokens` tokens in all can run here: every
-    linear weight (lm_head included) read once or its FLOPs at peak, whichever is slower, plus the KV cache read."""
-    elem = torch.empty((), dtype=dtype).element_size()
+def layer_params(config: Any) -> int:
+    """Weights of every layer's linear projections (qkv, o, gate_up, down): what a decode step reads besides the
+    lm_head."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     h, inter = config.hidden_size, config.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # qkv, o, gate_up, down
-    params = config.num_hidden_layers * per_layer + config.vocab_size * h
-    weight_bytes, flops = params * elem, 2 * batch * params
-    kv_bytes = context_tokens * config.num_hidden_layers * 2 * kv * elem
-    linear_ms = 1e3 * max(weight_bytes / (machine.mem_gbps * 1e9), flops / (machine.peak_gflops * 1e9))
+    return config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+
+
+def weight_bytes(config: Any, dtype: torch.dtype, int4: bool) -> float:
+    """Bytes a step reads for the weights: the layers' in 4 bits plus a scale and zero per group when the int4
+    kernel serves them, else in the dtype; the lm_head always in the dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_weight = Int4Weight.BYTES_PER_WEIGHT if int4 else elem
+    return layer_params(config) * per_weight + config.vocab_size * config.hidden_size * elem
+
+
+def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: float, machine: Machine,
+                 int4: bool = False) -> dict[str, float]:
+    """The fastest a decode step of `batch` sequences holding `context_tokens` tokens in all can run here: every
+    linear weight (lm_head included) read once or its FLOPs at peak, whichever is slower, plus the KV cache read.
+    `int4`: the engine has 4-bit layer weights, which it reads instead at up to INT4_MAX_ROWS rows."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    params = layer_params(config) + config.vocab_size * config.hidden_size
+    weights, flops = weight_bytes(config, dtype, int4 and batch <= INT4_MAX_ROWS), 2 * batch * params
+    kv_bytes = context_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+    linear_ms = 1e3 * max(weights / (machine.mem_gbps * 1e9), flops / (machine.peak_gflops * 1e9))
     kv_ms = 1e3 * kv_bytes / (machine.mem_gbps * 1e9)
-    return {"weight_bytes": weight_bytes, "linear_flops": flops, "kv_bytes": round(kv_bytes),
+    return {"weight_bytes": round(weights), "linear_flops": flops, "kv_bytes": round(kv_bytes),
             "linear_ms": round(linear_ms, 4), "kv_ms": round(kv_ms, 4), "ms": round(linear_ms + kv_ms, 4),
             "tokens_per_s": round(batch / (linear_ms + kv_ms) * 1e3, 1)}
 
 
-def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine) -> dict:
+def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine,
+                   int4: bool = False) -> dict:
     """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
     linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
-    bandwidth; and never less than the longest output's decode steps, each reading every weight once."""
+    bandwidth; and never less than the longest output's decode steps, each reading every weight once (4-bit layer
+    weights with `int4`: the last steps run few sequences)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    h, inter = config.hidden_size, config.intermediate_size
-    layer_params = config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    head_params = config.vocab_size * h
+    layers, head = layer_params(config), config.vocab_size * config.hidden_size
     prompt, output = sum(p for p, _ in requests), sum(o for _, o in requests)
-    flops = 2 * layer_params * (prompt + output) + 2 * head_params * output
-    kv_token_bytes = config.num_hidden_layers * 2 * kv * elem
+    flops = 2 * layers * (prompt + output) + 2 * head * output
+    kv_token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
     kv_read = sum(o * p + o * (o - 1) // 2 for p, o in requests) * kv_token_bytes  # context read per decode
     compute_s = flops / (machine.peak_gflops * 1e9)
     kv_s = kv_read / (machine.mem_gbps * 1e9)
-    steps_s = max((o for _, o in requests), default=0) * (layer_params + head_params) * elem / (machine.mem_gbps * 1e9)
+    steps_s = max((o for _, o in requests), default=0) * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
     bound_s = max(compute_s + kv_s, steps_s)
     return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "compute_s": round(compute_s, 2),
             "kv_read_s": round(kv_s, 2), "longest_output_steps_s": round(steps_s, 2), "bound_s": round(bound_s, 2),
@@ -363,8 +378,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
                 continue
             engine = sized_engine(base, case, user_sized)
             row = run_case(engine, case, steps, args.warmup_steps, base.seed)
+            int4 = engine.runner.model.num_int4_matmuls > 0
             row.update(num_blocks=engine.block_manager.num_total_blocks,
-                       bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine))
+                       bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine, int4))
             del engine  # its KV cache goes before the next one is allocated
             gc.collect()
             result["rows"].append(row)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
+from pagedllm.config import BATCHING_MODES, KV_POLICIES, QUANTIZATION_MODES, EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
+                   help="auto: a GGUF file's 4-bit weights serve small batches as stored (bf16 only); "
+                        "none: every weight dequantized")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")

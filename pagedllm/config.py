@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
+QUANTIZATION_MODES = ("auto", "none")
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -54,6 +55,9 @@ class EngineConfig:
     # (block_manager.reservation_tokens); the reservation policies share nothing, so they turn prefix caching off
     kv_policy: str = "paged"
     batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
+    # auto: a GGUF file's 4-bit (Q4_0, Q4_1) weights run as stored in batches of a few rows, in bf16;
+    # none: every weight dequantized to the dtype
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, cpp or reference, got {self.attention_backend!r}")
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 

@@ -11,6 +11,7 @@ import torch
 from pagedllm.attention import is_fast_path_available
 from pagedllm.block_manager import BlockManager
 from pagedllm.config import EngineConfig
+from pagedllm.layers import INT4_MAX_ROWS
 from pagedllm.llama import LlamaModel
 from pagedllm.loader import load_model
 from pagedllm.model_runner import ModelRunner, kv_bytes_per_block
@@ -56,7 +57,8 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.torch_dtype_name)
-        loaded = load_model(config.model, dtype)
+        keep_4bit = config.quantization == "auto" and config.attention_backend != "reference"
+        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -73,12 +75,13 @@ class LLMEngine:
                                    self.max_model_len, config.kv_policy, config.batching)
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend)
+        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
-        logger.info("loaded %s (%s), %d KV blocks of %d tokens, max_model_len %d", self.model_name,
-                    config.torch_dtype_name, num_blocks, config.block_size, self.max_model_len)
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows), %d KV blocks of "
+                    "%d tokens, max_model_len %d", self.model_name, config.torch_dtype_name, model.num_int4_matmuls,
+                    INT4_MAX_ROWS, num_blocks, config.block_size, self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
         """The model's context, capped by what the pool can hold for one sequence."""

@@ -8,14 +8,42 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+# Up to this many rows, a layer with 4-bit weights runs torch's int4 kernel instead of the bf16 matmul: a small
+# batch is bound by reading the weights, and 4-bit weights are a third of bf16's bytes. Beyond it the int4 kernel's
+# fp32 arithmetic loses to bf16's (docs/performance.md, `python docs/scripts/linear_packing.py`).
+INT4_MAX_ROWS = 8
+
+
+class Int4Weight:
+    """A 4-bit weight packed once for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`). It takes GGUF's
+    Q4_0 / Q4_1 form as it is: w = (q - 8) * scale + zero per group of 32 inputs, scale and zero in the model dtype."""
+
+    GROUP = 32
+    BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus a bf16 scale and zero per group
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> None:
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)
+
+    @staticmethod
+    def available(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """The kernel is fast in bf16 only (fp32 takes a scalar path ~25x slower), and wants rows in multiples of
+        16."""
+        return dtype == torch.bfloat16 and shape[0] % 16 == 0 and shape[1] % Int4Weight.GROUP == 0
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
+
 
 class PackedWeight:
     """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
     repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
-    (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself."""
+    (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
+    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows."""
 
-    def __init__(self, plain: torch.Tensor) -> None:
+    def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+        self.int4 = int4
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -28,6 +56,9 @@ class PackedWeight:
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), on the packed weight when there is one."""
     if isinstance(weight, PackedWeight):
+        if weight.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            out = weight.int4.mm(x)
+            return out if bias is None else out.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from pagedllm import kernels
 from pagedllm.attention import paged_attention, write_kv
-from pagedllm.layers import PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
-from pagedllm.loader import ModelConfig
+from pagedllm.layers import Int4Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
+from pagedllm.loader import ModelConfig, Q4Weight
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 
@@ -44,7 +44,7 @@ class LlamaModel:
     """Weights held as plain tensors; forward is a function of the batch and the KV cache, nothing else."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -53,9 +53,10 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
+        self.q4 = q4_weights or {}  # a GGUF file's 4-bit weights, for small batches
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
-        self.lm_head_weight = self._weight(self.lm_head)
+        self.lm_head_weight = PackedWeight(self.lm_head) if self.pack else self.lm_head
         self.norm = w["model.norm.weight"]
         self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -68,17 +69,31 @@ class LlamaModel:
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         return DecoderLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv_weight=self._weight(torch.cat([w[n + ".weight"] for n in qkv])),
+            qkv_weight=self._weight(w, [n + ".weight" for n in qkv]),
             qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
-            o_weight=self._weight(w[p + "self_attn.o_proj.weight"]),
+            o_weight=self._weight(w, [p + "self_attn.o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up_weight=self._weight(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            down_weight=self._weight(w[p + "mlp.down_proj.weight"]),
+            gate_up_weight=self._weight(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down_weight=self._weight(w, [p + "mlp.down_proj.weight"]),
         )
 
-    def _weight(self, weight: torch.Tensor) -> Weight:
-        """Packed for oneDNN except on the reference path, which stays plain torch."""
-        return PackedWeight(weight.contiguous()) if self.pack else weight.contiguous()
+    def _weight(self, w: dict[str, torch.Tensor], names: list[str]) -> Weight:
+        """The named weights stacked by rows into one matmul: packed for oneDNN, with their 4-bit form when the
+        checkpoint has one for each; plain torch on the reference path."""
+        plain = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]].contiguous()
+        if not self.pack:
+            return plain
+        int4 = None
+        if all(n in self.q4 for n in names) and Int4Weight.available(plain.shape, self.dtype):
+            int4 = Int4Weight(*(torch.cat([getattr(self.q4[n], f) for n in names]) for f in ("q", "scale", "zero")),
+                              self.dtype)
+        return PackedWeight(plain, int4)
+
+    @property
+    def num_int4_matmuls(self) -> int:
+        """Layer matmuls that have a 4-bit form for small batches."""
+        return sum(isinstance(x, PackedWeight) and x.int4 is not None for layer in self.layers
+                   for x in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Model loading: a Hugging Face folder (safetensors) or a GGUF file -> config, weights (HF names), tokenizer.
 
 Every model comes out the same way: a `ModelConfig`, a dict of tensors under Hugging Face's Llama names in
-the requested dtype, and a `Tokenizer`. GGUF tensors are dequantized once at load time.
+the requested dtype, and a `Tokenizer`. GGUF tensors are dequantized once at load time; on request, the 4-bit
+ones (Q4_0, Q4_1) also come out as stored, for the 4-bit matmul kernel.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib.util
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,15 @@ class ModelConfig:
 
 
 @dataclass
+class Q4Weight:
+    """A GGUF Q4_0 / Q4_1 weight as stored: w = (q - 8) * scale + zero, one scale and zero per 32 inputs."""
+
+    q: torch.Tensor  # uint8 [out, in], values 0-15
+    scale: torch.Tensor  # float32 [out, in / 32]
+    zero: torch.Tensor  # float32 [out, in / 32]
+
+
+@dataclass
 class LoadedModel:
     """Everything an engine needs from a checkpoint."""
 
@@ -84,6 +94,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names, in the requested dtype; no lm_head.weight when tied
     tokenizer: Tokenizer
     name: str
+    q4_weights: dict[str, Q4Weight] = field(default_factory=dict)  # HF names; only when asked for (keep_4bit)
 
 
 def default_model_path() -> str:
@@ -104,15 +115,16 @@ def default_model_path() -> str:
     )
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a HF model folder or a .gguf file (None: the default SmolLM2-135M-Instruct GGUF)."""
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_4bit: bool = False) -> LoadedModel:
+    """Load a HF model folder or a .gguf file (None: the default SmolLM2-135M-Instruct GGUF). With keep_4bit, a
+    GGUF file's Q4_0 / Q4_1 weights also come back as stored (`LoadedModel.q4_weights`)."""
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path does not exist: {path}")
     if os.path.isdir(path):
         return _load_hf_folder(path, dtype)
     if path.lower().endswith(".gguf"):
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, keep_4bit)
     raise ValueError(f"cannot load {path}: expected a Hugging Face model folder or a .gguf file")
 
 
@@ -378,33 +390,60 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     return metadata, tensors
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedModel:
     import gguf
 
     metadata, tensors = read_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     config = _config_from_gguf(metadata, tensors, tokenizer, path)
 
-    weights = {}
+    weights, q4_weights = {}, {}
     for gguf_name, tensor in tensors.items():
         name = _hf_name(gguf_name)
         if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
+        if keep_4bit and tensor.tensor_type.name in ("Q4_0", "Q4_1") and len(tensor.shape) == 2:
+            q4_weights[name] = _q4_weight(tensor, _q_k_heads(gguf_name, config))
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tensor.shape)
         except Exception as e:
             kind = tensor.tensor_type.name
             raise ValueError(f"{path}: cannot read tensor {gguf_name} ({kind}): {e}") from e
-        if config.architecture == "LlamaForCausalLM" and ".attn_q." in gguf_name:
-            array = _unpermute_rows(array, config.num_attention_heads)
-        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in gguf_name:
-            array = _unpermute_rows(array, config.num_key_value_heads)
+        if heads := _q_k_heads(gguf_name, config):
+            array = _unpermute_rows(array, heads)
         if not array.flags.writeable or not array.flags.c_contiguous:  # still a view of the mapped file
             array = np.array(array, dtype=np.float32)
         weights[name] = torch.from_numpy(array).to(dtype)
     weights = _check_weights(weights, config, path)
     name = os.path.splitext(os.path.basename(path))[0]
-    return LoadedModel(config, weights, tokenizer, name)
+    return LoadedModel(config, weights, tokenizer, name, q4_weights)
+
+
+def _q_k_heads(gguf_name: str, config: ModelConfig) -> int:
+    """The head count whose rows llama.cpp's converter permuted in this tensor (a Llama q or k projection), or 0."""
+    if config.architecture != "LlamaForCausalLM":
+        return 0
+    if ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    return config.num_key_value_heads if ".attn_k." in gguf_name else 0
+
+
+def _q4_weight(tensor: GGUFTensor, permuted_heads: int) -> Q4Weight:
+    """Split ggml's Q4_0 blocks (f16 d, 16 bytes of nibbles: w = d * (q - 8)) or Q4_1 blocks (f16 d, f16 m, the
+    nibbles: w = d * q + m) of 32 weights into the 4-bit values and a scale and zero per block. The low nibbles
+    hold a block's first 16 weights, the high nibbles its last 16."""
+    rows, cols = tensor.shape
+    has_min = tensor.tensor_type.name == "Q4_1"
+    blocks = tensor.data.reshape(rows, cols // 32, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * d
+    nibbles = blocks[..., 4:] if has_min else blocks[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    zero = m + 8 * d
+    if permuted_heads:
+        q, d, zero = (_unpermute_rows(a, permuted_heads) for a in (q, d, zero))
+    return Q4Weight(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
+                    torch.from_numpy(np.ascontiguousarray(zero)))
 
 
 def _config_from_gguf(

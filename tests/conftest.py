@@ -73,10 +73,12 @@ def make_tiny_hf_model(path: str, architecture: str = "LlamaForCausalLM", **over
     return path
 
 
-def write_gguf(model_dir: str, gguf_path: str, extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+def write_gguf(model_dir: str, gguf_path: str, extra_tensors: dict[str, np.ndarray] | None = None,
+               quant: str | None = None) -> str:
     """Write an HF folder made by make_tiny_hf_model as a GGUF file, the way llama.cpp's converter does:
     its tensor names, F32 data, q/k rows permuted for Llama, its metadata keys and the tokenizer metadata.
-    `extra_tensors` are added under their GGUF names (e.g. rope_freqs.weight)."""
+    `extra_tensors` are added under their GGUF names (e.g. rope_freqs.weight). `quant` ("Q4_0", "Q4_1", ...)
+    quantizes the layers' projection weights with gguf's own quantizer, as llama-quantize would."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -139,7 +141,12 @@ def write_gguf(model_dir: str, gguf_path: str, extra_tensors: dict[str, np.ndarr
             array = permute_rows(array, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
             array = permute_rows(array, kv_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if quant and gguf_name.startswith("blk.") and gguf_name.endswith(".weight") and array.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     for gguf_name, array in (extra_tensors or {}).items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()

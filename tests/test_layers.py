@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from pagedllm import kernels
-from pagedllm.layers import RotaryEmbedding, add_rms_norm, rms_norm, swiglu
+from pagedllm.layers import (
+    INT4_MAX_ROWS,
+    Int4Weight,
+    PackedWeight,
+    RotaryEmbedding,
+    add_rms_norm,
+    linear,
+    rms_norm,
+    swiglu,
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +120,58 @@ def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype)
     fast = sample_greedy_from_top(*model.top_logits(hidden))
     assert torch.equal(fast.token_ids, slow.token_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def random_int4(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // 32, generator=g) * 0.02
+    zero = (torch.rand(rows, cols // 32, generator=g) - 0.5) * 0.02
+    return q, scale, zero
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    return ((q.float().view(rows, cols // 32, 32) - 8) * scale[..., None] + zero[..., None]).view(rows, cols)
+
+
+@pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS])
+def test_int4_matmul_equals_the_dequantized_weight(rows: int) -> None:
+    """torch's int4 kernel on GGUF's (q, scale, zero) form computes x @ w.T for w = (q - 8) * scale + zero with
+    scale and zero rounded to bf16, accumulating in fp32: within the bf16 rounding of the output. Each row alone
+    gives the same as in the batch (batch-invariant)."""
+    q, scale, zero = random_int4(96, 576, rows)
+    weight = Int4Weight(q, scale, zero, torch.bfloat16)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7)).bfloat16()
+    ref = x.float() @ dequantized(q, scale.bfloat16().float(), zero.bfloat16().float()).T
+    out = weight.mm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4)
+    assert torch.equal(weight.mm(x[-1:]), out[-1:])
+
+
+def test_linear_takes_int4_for_small_batches_only() -> None:
+    """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows and its bf16 matmul beyond: give the two
+    different weights and see which one answered."""
+    if not PackedWeight.available(torch.bfloat16):
+        pytest.skip("no native bf16 matmul on this CPU")
+    q, scale, zero = random_int4(64, 128, 0)
+    other = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).bfloat16() * 0.01
+    weight = PackedWeight(other, Int4Weight(q, scale, zero, torch.bfloat16))
+    bias = torch.randn(64).bfloat16()
+    x = torch.randn(INT4_MAX_ROWS + 1, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    w4 = dequantized(q, scale.bfloat16().float(), zero.bfloat16().float())
+    small, large = linear(x[:INT4_MAX_ROWS], weight, bias), linear(x, weight, bias)
+    by_int4, by_other = x.float() @ w4.T + bias.float(), x.float() @ other.float().T + bias.float()
+    assert (by_int4 - by_other).abs().mean() > 0.1  # the two answers are far apart
+    tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
+    torch.testing.assert_close(small.float(), by_int4[:INT4_MAX_ROWS], **tol)
+    torch.testing.assert_close(large.float(), by_other, **tol)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "ok"), [
+    ((64, 128), torch.bfloat16, True), ((64, 128), torch.float32, False),  # fp32: a slow path, not taken
+    ((40, 128), torch.bfloat16, False), ((64, 48), torch.bfloat16, False),  # rows % 16, groups of 32
+])
+def test_int4_available(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
+    assert Int4Weight.available(shape, dtype) is ok
