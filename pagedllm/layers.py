@@ -8,31 +8,43 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows, a layer with 4-bit weights runs torch's int4 kernel instead of the bf16 matmul: a small
-# batch is bound by reading the weights, and 4-bit weights are a third of bf16's bytes. Beyond it the int4 kernel's
-# fp32 arithmetic loses to bf16's (docs/performance.md, `python docs/scripts/linear_packing.py`).
-INT4_MAX_ROWS = 8
+# Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of the bf16 matmul: a small batch is
+# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From about 24 rows the two are even
+# (docs/performance.md, `python docs/scripts/int4_rows.py`).
+INT4_MAX_ROWS = 20
 
 
 class Int4Weight:
-    """A 4-bit weight packed once for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`). It takes GGUF's
-    Q4_0 / Q4_1 form as it is: w = (q - 8) * scale + zero per group of 32 inputs, scale and zero in the model dtype."""
+    """A GGUF Q4_0 / Q4_1 weight packed once for the C++ int4 kernel (csrc/int4_linear.cpp), which computes with
+    the file's weights exactly: w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values
+    they were."""
 
     GROUP = 32
-    BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus a bf16 scale and zero per group
+    TILE = 16  # output rows per tile
+    BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> None:
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
-        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, ext: ModuleType) -> None:
+        rows, cols = q.shape
+        tiles, groups = rows // self.TILE, cols // self.GROUP
+        # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
+        pairs = q.view(tiles, self.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
+        self.packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
+        self.scales, self.mins = (a.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().half()
+                                  for a in (scale, min))
+        self.ext = ext
 
     @staticmethod
-    def available(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """The kernel is fast in bf16 only (fp32 takes a scalar path ~25x slower), and wants rows in multiples of
-        16."""
-        return dtype == torch.bfloat16 and shape[0] % 16 == 0 and shape[1] % Int4Weight.GROUP == 0
+    def available(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, dtype: torch.dtype,
+                  ext: ModuleType | None) -> bool:
+        """The kernel runs bf16 activations on AVX512-BF16, tiles of 16 rows and groups of 32 inputs, and keeps
+        scale and min in fp16 (exactly GGUF's own)."""
+        rows, cols = q.shape
+        return (ext is not None and ext.int4_linear_supported() and dtype == torch.bfloat16
+                and rows % Int4Weight.TILE == 0 and cols % Int4Weight.GROUP == 0
+                and all(torch.equal(a.half().float(), a) for a in (scale, min)))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
+        return self.ext.int4_linear(x, self.packed, self.scales, self.mins)
 
 
 class PackedWeight:

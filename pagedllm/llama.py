@@ -54,6 +54,8 @@ class LlamaModel:
         w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
         self.q4 = q4_weights or {}  # a GGUF file's 4-bit weights, for small batches
+        # The C++ kernels (fused norm/rotary/SwiGLU, int4 matmul), except on the reference path (the torch oracle).
+        self.ext = kernels.load() if attention_backend != "reference" else None
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
         self.lm_head_weight = PackedWeight(self.lm_head) if self.pack else self.lm_head
@@ -61,8 +63,6 @@ class LlamaModel:
         self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
-        # The fused C++ norm/rotary/SwiGLU kernels, except on the reference path (the readable torch oracle).
-        self.ext = kernels.load() if attention_backend != "reference" else None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
@@ -83,11 +83,11 @@ class LlamaModel:
         plain = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]].contiguous()
         if not self.pack:
             return plain
-        int4 = None
-        if all(n in self.q4 for n in names) and Int4Weight.available(plain.shape, self.dtype):
-            int4 = Int4Weight(*(torch.cat([getattr(self.q4[n], f) for n in names]) for f in ("q", "scale", "zero")),
-                              self.dtype)
-        return PackedWeight(plain, int4)
+        if not all(n in self.q4 for n in names):
+            return PackedWeight(plain)
+        q, scale, min_ = (torch.cat([getattr(self.q4[n], f) for n in names]) for f in ("q", "scale", "min"))
+        available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
+        return PackedWeight(plain, Int4Weight(q, scale, min_, self.ext) if available else None)
 
     @property
     def num_int4_matmuls(self) -> int:

@@ -79,11 +79,11 @@ class ModelConfig:
 
 @dataclass
 class Q4Weight:
-    """A GGUF Q4_0 / Q4_1 weight as stored: w = (q - 8) * scale + zero, one scale and zero per 32 inputs."""
+    """A GGUF Q4_0 / Q4_1 weight as stored: w = q * scale + min, one scale and min per 32 inputs, both fp16 values."""
 
     q: torch.Tensor  # uint8 [out, in], values 0-15
     scale: torch.Tensor  # float32 [out, in / 32]
-    zero: torch.Tensor  # float32 [out, in / 32]
+    min: torch.Tensor  # float32 [out, in / 32]
 
 
 @dataclass
@@ -430,8 +430,8 @@ def _q_k_heads(gguf_name: str, config: ModelConfig) -> int:
 
 def _q4_weight(tensor: GGUFTensor, permuted_heads: int) -> Q4Weight:
     """Split ggml's Q4_0 blocks (f16 d, 16 bytes of nibbles: w = d * (q - 8)) or Q4_1 blocks (f16 d, f16 m, the
-    nibbles: w = d * q + m) of 32 weights into the 4-bit values and a scale and zero per block. The low nibbles
-    hold a block's first 16 weights, the high nibbles its last 16."""
+    nibbles: w = d * q + m) of 32 weights into the 4-bit values and a scale and min per block (-8 d for Q4_0).
+    The low nibbles hold a block's first 16 weights, the high nibbles its last 16."""
     rows, cols = tensor.shape
     has_min = tensor.tensor_type.name == "Q4_1"
     blocks = tensor.data.reshape(rows, cols // 32, -1)
@@ -439,11 +439,9 @@ def _q4_weight(tensor: GGUFTensor, permuted_heads: int) -> Q4Weight:
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * d
     nibbles = blocks[..., 4:] if has_min else blocks[..., 2:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
-    zero = m + 8 * d
     if permuted_heads:
-        q, d, zero = (_unpermute_rows(a, permuted_heads) for a in (q, d, zero))
-    return Q4Weight(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
-                    torch.from_numpy(np.ascontiguousarray(zero)))
+        q, d, m = (_unpermute_rows(a, permuted_heads) for a in (q, d, m))
+    return Q4Weight(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
 
 
 def _config_from_gguf(

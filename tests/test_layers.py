@@ -123,55 +123,77 @@ def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype)
 
 
 def random_int4(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit values with an fp16 scale and min per 32 inputs, as a GGUF Q4_1 weight has."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
-    scale = torch.rand(rows, cols // 32, generator=g) * 0.02
-    zero = (torch.rand(rows, cols // 32, generator=g) - 0.5) * 0.02
-    return q, scale, zero
+    scale = (torch.rand(rows, cols // 32, generator=g) * 0.02).half().float()
+    min_ = (-torch.rand(rows, cols // 32, generator=g) * 0.16).half().float()
+    return q, scale, min_
 
 
-def dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantized(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor) -> torch.Tensor:
     rows, cols = q.shape
-    return ((q.float().view(rows, cols // 32, 32) - 8) * scale[..., None] + zero[..., None]).view(rows, cols)
+    return (q.float().view(rows, cols // 32, 32) * scale[..., None] + min_[..., None]).view(rows, cols)
 
 
-@pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS])
-def test_int4_matmul_equals_the_dequantized_weight(rows: int) -> None:
-    """torch's int4 kernel on GGUF's (q, scale, zero) form computes x @ w.T for w = (q - 8) * scale + zero with
-    scale and zero rounded to bf16, accumulating in fp32: within the bf16 rounding of the output. Each row alone
-    gives the same as in the batch (batch-invariant)."""
-    q, scale, zero = random_int4(96, 576, rows)
-    weight = Int4Weight(q, scale, zero, torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, INT4_MAX_ROWS, 33])
+def test_int4_matmul_equals_the_dequantized_weight(ext, rows: int) -> None:
+    """The int4 kernel computes x @ w.T with w = q * scale + min exactly (products and sums in fp32): its output is
+    the bf16 rounding of the fp32 result, but for values an fp32 sum lands next to a rounding boundary. Each row
+    alone gives the same as in the batch (batch-invariant), for every block of rows the kernel takes at once."""
+    if not ext.int4_linear_supported():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    q, scale, min_ = random_int4(96, 576, rows)
+    weight = Int4Weight(q, scale, min_, ext)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7)).bfloat16()
-    ref = x.float() @ dequantized(q, scale.bfloat16().float(), zero.bfloat16().float()).T
+    ref = x.float() @ dequantized(q, scale, min_).T
     out = weight.mm(x)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4)
-    assert torch.equal(weight.mm(x[-1:]), out[-1:])
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-5)
+    assert (out != ref.bfloat16()).float().mean() < 0.01
+    for r in range(rows):
+        assert torch.equal(weight.mm(x[r:r + 1]), out[r:r + 1])
 
 
-def test_linear_takes_int4_for_small_batches_only() -> None:
+def test_int4_bad_input_is_an_error_not_a_crash(ext) -> None:
+    if not ext.int4_linear_supported():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    weight = Int4Weight(*random_int4(32, 64, 0), ext)
+    with pytest.raises(RuntimeError, match="columns"):
+        weight.mm(torch.zeros(2, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        weight.mm(torch.zeros(2, 64))
+
+
+def test_linear_takes_int4_for_small_batches_only(ext) -> None:
     """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows and its bf16 matmul beyond: give the two
     different weights and see which one answered."""
-    if not PackedWeight.available(torch.bfloat16):
+    if not (PackedWeight.available(torch.bfloat16) and ext.int4_linear_supported()):
         pytest.skip("no native bf16 matmul on this CPU")
-    q, scale, zero = random_int4(64, 128, 0)
+    q, scale, min_ = random_int4(64, 128, 0)
     other = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).bfloat16() * 0.01
-    weight = PackedWeight(other, Int4Weight(q, scale, zero, torch.bfloat16))
+    weight = PackedWeight(other, Int4Weight(q, scale, min_, ext))
     bias = torch.randn(64).bfloat16()
     x = torch.randn(INT4_MAX_ROWS + 1, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    w4 = dequantized(q, scale.bfloat16().float(), zero.bfloat16().float())
     small, large = linear(x[:INT4_MAX_ROWS], weight, bias), linear(x, weight, bias)
-    by_int4, by_other = x.float() @ w4.T + bias.float(), x.float() @ other.float().T + bias.float()
+    by_int4 = x.float() @ dequantized(q, scale, min_).T + bias.float()
+    by_other = x.float() @ other.float().T + bias.float()
     assert (by_int4 - by_other).abs().mean() > 0.1  # the two answers are far apart
     tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
     torch.testing.assert_close(small.float(), by_int4[:INT4_MAX_ROWS], **tol)
     torch.testing.assert_close(large.float(), by_other, **tol)
 
 
-@pytest.mark.parametrize(("shape", "dtype", "ok"), [
-    ((64, 128), torch.bfloat16, True), ((64, 128), torch.float32, False),  # fp32: a slow path, not taken
-    ((40, 128), torch.bfloat16, False), ((64, 48), torch.bfloat16, False),  # rows % 16, groups of 32
+@pytest.mark.parametrize(("shape", "dtype", "fp16", "ok"), [
+    ((64, 128), torch.bfloat16, True, True),
+    ((64, 128), torch.float32, True, False),  # the kernel takes bf16 rows
+    ((40, 128), torch.bfloat16, True, False),  # tiles of 16 rows
+    ((64, 48), torch.bfloat16, True, False),  # groups of 32 inputs
+    ((64, 128), torch.bfloat16, False, False),  # a scale that fp16 cannot hold exactly
 ])
-def test_int4_available(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
-    assert Int4Weight.available(shape, dtype) is ok
+def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: bool, ok: bool) -> None:
+    q = torch.zeros(shape, dtype=torch.uint8)
+    scale = torch.full((shape[0], max(1, shape[1] // 32)), 0.01 if fp16 else 1 / 3)
+    scale = scale.half().float() if fp16 else scale
+    assert Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, ext) is (ok and ext.int4_linear_supported())
+    assert not Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, None)

@@ -387,8 +387,8 @@ def test_read_gguf_agrees_with_gguf_reader():
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1"])
 def test_gguf_4bit_weights_as_stored(tiny_model_dir, tmp_path, quant):
-    """keep_4bit gives each Q4 projection as (q, scale, zero) that rebuild exactly the dequantized weights, rows
-    in HF order (the q/k permutation undone like the dequantized ones)."""
+    """keep_4bit gives each Q4 projection as (q, scale, min) that rebuild exactly the dequantized weights, rows
+    in HF order (the q/k permutation undone like the dequantized ones); scale and min are fp16 values."""
     path = write_gguf(tiny_model_dir, str(tmp_path / f"{quant}.gguf"), quant=quant)
     plain = load_model(path, torch.float32)
     m = load_model(path, torch.float32, keep_4bit=True)
@@ -398,8 +398,9 @@ def test_gguf_4bit_weights_as_stored(tiny_model_dir, tmp_path, quant):
     for name, w4 in m.q4_weights.items():
         rows, cols = w4.q.shape
         assert w4.q.dtype == torch.uint8 and int(w4.q.max()) <= 15
-        groups = (w4.q.float().view(rows, cols // 32, 32) - 8) * w4.scale[..., None] + w4.zero[..., None]
+        groups = w4.q.float().view(rows, cols // 32, 32) * w4.scale[..., None] + w4.min[..., None]
         assert torch.equal(groups.view(rows, cols), plain.weights[name]), name
+        assert torch.equal(w4.scale.half().float(), w4.scale) and torch.equal(w4.min.half().float(), w4.min)
         assert torch.allclose(plain.weights[name], hf.weights[name], atol=0.1 * hf.weights[name].abs().max()), name
     assert torch.equal(m.weights[name], plain.weights[name])
     assert load_model(path, torch.float32).q4_weights == {}

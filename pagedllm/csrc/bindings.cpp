@@ -11,6 +11,9 @@ at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins);
+bool int4_linear_supported();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -20,4 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused [gate | up] projection", nogil);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half convention", nogil);
   m.def("top_k_logsumexp", &top_k_logsumexp, "Each row's k largest logits (values, ids) and its logsumexp", nogil);
+  m.def("int4_linear", &int4_linear, "x @ W.T for 4-bit GGUF weights (w = q * d + m per 32 inputs)", nogil);
+  m.def("int4_linear_supported", &int4_linear_supported, "Whether this build has int4_linear's instructions");
 }
