@@ -97,7 +97,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "prefix_cache_hits": llm.engine.stats().prefix_cache_hits,
         "prefix_cache_queries": llm.engine.stats().prefix_cache_queries,
         "machine_bound": machine_bound(llm.engine, config, requests),
-        "kv_policy": config.kv_policy, "batching": config.batching,
+        "kv_policy": config.kv_policy, "batching": config.batching, "quantization": config.quantization,
         "kv_waste_fraction": round(llm.engine.stats().kv_waste_fraction, 4),
         "peak_num_running": llm.engine.stats().peak_num_running,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",

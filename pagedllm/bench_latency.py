@@ -365,6 +365,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": base.torch_dtype_name,
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
         "max_num_batched_tokens": base.max_num_batched_tokens, "attention_backend": base.attention_backend,
+        "quantization": base.quantization,
         "machine": {**dataclasses.asdict(machine), "cpus": os.cpu_count(), "arch": platform.machine()},
         "parts": PART_HELP, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "rows": [], "skipped": []}
     for batch in batches:

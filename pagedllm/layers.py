@@ -1,4 +1,5 @@
-"""The small layers of a Llama-family model: RMSNorm, rotary embeddings, SwiGLU. Numerics follow transformers'."""
+"""The small layers of a Llama-family model: linear weights (packed bf16, 4-bit), RMSNorm, rotary embeddings, SwiGLU.
+Numerics follow transformers'."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 # Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of the bf16 matmul: a small batch is
-# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From about 24 rows the two are even
-# (docs/performance.md, `python docs/scripts/int4_rows.py`).
-INT4_MAX_ROWS = 20
+# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. In the engine the int4 kernel is still
+# 3-10% ahead at 16-32 rows; alone, the two matmuls are even at 64 (docs/performance.md: docs/scripts/int4_rows.py,
+# int4_kernels.py).
+INT4_MAX_ROWS = 32
 
 
 class Int4Weight:
@@ -23,28 +25,28 @@ class Int4Weight:
     TILE = 16  # output rows per tile
     BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, ext: ModuleType) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType) -> None:
         rows, cols = q.shape
         tiles, groups = rows // self.TILE, cols // self.GROUP
         # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
         pairs = q.view(tiles, self.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
         self.packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
         self.scales, self.mins = (a.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().half()
-                                  for a in (scale, min))
+                                  for a in (scale, min_))
         self.ext = ext
 
     @staticmethod
-    def available(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, dtype: torch.dtype,
+    def available(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
                   ext: ModuleType | None) -> bool:
         """The kernel runs bf16 activations on AVX512-BF16, tiles of 16 rows and groups of 32 inputs, and keeps
         scale and min in fp16 (exactly GGUF's own)."""
         rows, cols = q.shape
         return (ext is not None and ext.int4_linear_supported() and dtype == torch.bfloat16
                 and rows % Int4Weight.TILE == 0 and cols % Int4Weight.GROUP == 0
-                and all(torch.equal(a.half().float(), a) for a in (scale, min)))
+                and all(torch.equal(a.half().float(), a) for a in (scale, min_)))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ext.int4_linear(x, self.packed, self.scales, self.mins)
+        return self.ext.int4_linear(x.contiguous(), self.packed, self.scales, self.mins)
 
 
 class PackedWeight:

@@ -30,7 +30,9 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        # Uninitialised: attention reads only slots written before it (tests fill the pool with NaN to check), and
+        # zeroing GiBs up front costs seconds of page faults at start-up; pages now fault in as blocks are first used.
+        self.kv_caches = [(torch.empty(shape, dtype=model.dtype), torch.empty(shape, dtype=model.dtype))
                           for _ in range(c.num_hidden_layers)]
         self.generators: dict[Hashable, torch.Generator] = {}
 

@@ -2,7 +2,7 @@
 
 Works on this commit and on d7865a1 (before issue 6, which has no `pagedllm bench latency`), so the two can be
 compared side by side:
-    python docs/scripts/step_breakdown.py 128 300
+    python docs/scripts/step_breakdown.py 128 300 [none]    (none: --quantization none)
     git worktree add /tmp/before d7865a1 && PYTHONPATH=/tmp/before python docs/scripts/step_breakdown.py 128 300
 (run from the repository root; the script's own folder is first on sys.path, so PYTHONPATH picks the engine).
 """
@@ -22,7 +22,9 @@ from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 batch, ctx = int(sys.argv[1]), int(sys.argv[2])
-engine = LLMEngine(EngineConfig(kv_cache_memory="4GiB", max_num_seqs=batch, max_num_batched_tokens=max(1024, ctx)))
+extra = {"quantization": sys.argv[3]} if len(sys.argv) > 3 else {}  # e.g. none (commits before it lack the flag)
+engine = LLMEngine(EngineConfig(kv_cache_memory="4GiB", max_num_seqs=batch, max_num_batched_tokens=max(1024, ctx),
+                                **extra))
 seconds: dict[str, float] = defaultdict(float)
 in_logits = [0]  # the lm_head matmul inside compute_logits / top_logits counts as logits, not as linear
 
