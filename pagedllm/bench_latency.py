@@ -177,7 +177,7 @@ def layer_params(config: Any) -> int:
 
 
 def weight_bytes(config: Any, dtype: torch.dtype, int4: bool) -> float:
-    """Bytes a step reads for the weights: the layers' in 4 bits plus a scale and zero per group when the int4
+    """Bytes a step reads for the weights: the layers' in 4 bits plus a scale and min per group when the int4
     kernel serves them, else in the dtype; the lm_head always in the dtype."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_weight = Int4Weight.BYTES_PER_WEIGHT if int4 else elem

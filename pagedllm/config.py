@@ -55,8 +55,8 @@ class EngineConfig:
     # (block_manager.reservation_tokens); the reservation policies share nothing, so they turn prefix caching off
     kv_policy: str = "paged"
     batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
-    # auto: a GGUF file's 4-bit (Q4_0, Q4_1) weights run as stored in batches of a few rows, in bf16;
-    # none: every weight dequantized to the dtype
+    # auto: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
+    # layers.INT4_MAX_ROWS rows, in bf16; none: every weight dequantized to the dtype
     quantization: str = "auto"
 
     def __post_init__(self) -> None:

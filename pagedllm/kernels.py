@@ -28,11 +28,15 @@ def load() -> ModuleType | None:
     with _lock:
         if _ext is None and _ext_error is None:
             try:
+                import torch
                 from torch.utils.cpp_extension import load as load_extension
 
-                # -march=native: a build is only valid for this CPU, so its features are part of the name.
+                # -march=native: a build is only valid for this CPU, so its features are part of the name. So are
+                # the source folder and the torch install: two checkouts or venvs sharing torch's cache folder
+                # under one name rebuilt it from scratch (~30 s) each time the other had built it last.
                 key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
                 key += repr(_CFLAGS).encode() + _cpu_flags().encode()
+                key += str(_CSRC.resolve()).encode() + str(Path(torch.__file__).resolve().parent).encode()
                 digest = hashlib.sha256(key).hexdigest()[:16]
                 _ext = load_extension(name=f"pagedllm_kernels_{digest}", sources=[str(p) for p in _SOURCES],
                                       extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)

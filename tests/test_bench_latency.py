@@ -70,7 +70,7 @@ def test_decode_bound_counts_weights_flops_and_kv():
     assert small["linear_ms"] == pytest.approx(4 * params / 1e9 * 1e3, rel=1e-3)  # memory-bound at batch 1
     big = decode_bound(config, torch.bfloat16, 64, 100, machine)
     assert big["linear_ms"] == pytest.approx(2 * 64 * params / 1e9 * 1e3, rel=1e-3)  # compute-bound
-    int4 = decode_bound(config, torch.bfloat16, 1, 100, machine, int4=True)  # layers in 4 bits + bf16 scale, zero
+    int4 = decode_bound(config, torch.bfloat16, 1, 100, machine, int4=True)  # layers: 4 bits + fp16 scale, min
     assert int4["weight_bytes"] == round((params - 1000 * 64) * (0.5 + 4 / 32) + 1000 * 64 * 2)
     assert decode_bound(config, torch.bfloat16, 64, 100, machine, int4=True) == big  # the int4 kernel: few rows only
 

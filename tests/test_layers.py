@@ -139,7 +139,7 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor) -> tor
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, INT4_MAX_ROWS, 33])
 def test_int4_matmul_equals_the_dequantized_weight(ext, rows: int) -> None:
     """The int4 kernel computes x @ w.T with w = q * scale + min exactly (products and sums in fp32): its output is
-    the bf16 rounding of the fp32 result, but for values an fp32 sum lands next to a rounding boundary. Each row
+    the bf16 rounding of the fp32 result, except where an fp32 sum lands next to a rounding boundary. Each row
     alone gives the same as in the batch (batch-invariant), for every block of rows the kernel takes at once."""
     if not ext.int4_linear_supported():
         pytest.skip("no AVX512-BF16 on this CPU")
