@@ -53,39 +53,39 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
-        self.q4 = q4_weights or {}  # a GGUF file's 4-bit weights, for small batches
         # The C++ kernels (fused norm/rotary/SwiGLU, int4 matmul), except on the reference path (the torch oracle).
         self.ext = kernels.load() if attention_backend != "reference" else None
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
         self.lm_head_weight = PackedWeight(self.lm_head) if self.pack else self.lm_head
         self.norm = w["model.norm.weight"]
-        self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
+        q4 = q4_weights or {}  # a GGUF file's 4-bit weights, packed below for small batches (not kept as they are)
+        self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+    def _layer(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         return DecoderLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv_weight=self._weight(w, [n + ".weight" for n in qkv]),
+            qkv_weight=self._weight(w, q4, [n + ".weight" for n in qkv]),
             qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
-            o_weight=self._weight(w, [p + "self_attn.o_proj.weight"]),
+            o_weight=self._weight(w, q4, [p + "self_attn.o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up_weight=self._weight(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down_weight=self._weight(w, [p + "mlp.down_proj.weight"]),
+            gate_up_weight=self._weight(w, q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down_weight=self._weight(w, q4, [p + "mlp.down_proj.weight"]),
         )
 
-    def _weight(self, w: dict[str, torch.Tensor], names: list[str]) -> Weight:
+    def _weight(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], names: list[str]) -> Weight:
         """The named weights stacked by rows into one matmul: packed for oneDNN, with their 4-bit form when the
         checkpoint has one for each; plain torch on the reference path."""
         plain = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]].contiguous()
         if not self.pack:
             return plain
-        if not all(n in self.q4 for n in names):
+        if not all(n in q4 for n in names):
             return PackedWeight(plain)
-        q, scale, min_ = (torch.cat([getattr(self.q4[n], f) for n in names]) for f in ("q", "scale", "min"))
+        q, scale, min_ = (torch.cat([getattr(q4[n], f) for n in names]) for f in ("q", "scale", "min"))
         available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
         return PackedWeight(plain, Int4Weight(q, scale, min_, self.ext) if available else None)
 
