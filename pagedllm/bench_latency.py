@@ -146,17 +146,23 @@ class Machine:
     measured: dict[str, float] | None = None  # what --measure-machine found
 
 
+def call_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int = 3) -> dict[str, float]:
     """Best-of-`repeats` GFLOP/s of a size^3 matmul in bf16 and fp32, and GB/s of a large tensor copy
     (read + write), with torch's current threads."""
     def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return min(call_times(fn, repeats))
 
     result = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 # Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of the bf16 matmul: a small batch is
-# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. In the engine the int4 kernel is still
-# 3-10% ahead at 16-32 rows; alone, the two matmuls are even at 64 (docs/performance.md: docs/scripts/int4_rows.py,
-# int4_kernels.py).
+# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. In the engine the int4 kernel is
+# 8-14% ahead at 16 rows and even with bf16, within run-to-run noise, from 24 to 64 (docs/performance.md:
+# docs/scripts/int4_rows.py, int4_kernels.py).
 INT4_MAX_ROWS = 32
 
 

@@ -3,11 +3,11 @@ median ms, the two interleaved so background load hits both alike:
     python docs/scripts/linear_packing.py
 """
 
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench_latency import call_times
 from pagedllm.layers import PackedWeight, linear
 
 torch.set_num_threads(2)
@@ -16,14 +16,7 @@ LM_HEAD = (49152, 576)
 
 
 def median_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
+    return sorted(call_times(fn, repeats, warmup=3))[repeats // 2] * 1e3
 
 
 print("| dtype | rows M | layer plain | layer packed | speed-up | lm_head plain | lm_head packed | speed-up |")
