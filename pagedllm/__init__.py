@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 # Imported lazily, so that the memory-policy modules (scheduler, block manager) load without torch.
 _EXPORTS = {
-    "LLM": "pagedllm.llm",
-    "LLMEngine": "pagedllm.engine",
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.engine.llm_engine",
     "EngineConfig": "pagedllm.config",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass, fields
@@ -109,3 +110,36 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The engine flags, named as vLLM's; every command that builds an engine takes them (vLLM's EngineArgs)."""
+        d = EngineConfig.__dataclass_fields__
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+        g.add_argument("--dtype", default=d["dtype"].default, choices=["auto", "bfloat16", "float32"])
+        g.add_argument("--block-size", type=int, default=d["block_size"].default)
+        g.add_argument("--kv-cache-memory", default=d["kv_cache_memory"].default,
+                       help="KV cache size, e.g. 4GiB or 512MiB (a bare number is GiB)")
+        g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+        g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
+                       help="auto: a GGUF file's 4-bit weights serve small batches as stored (bf16 only); "
+                            "none: every weight dequantized")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")
+        g.add_argument("--seed", type=int, default=0, help="random seed (for generate: the request's own seed)")
+        g.add_argument("--kv-policy", default=d["kv_policy"].default, choices=KV_POLICIES,
+                       help="paged KV blocks, or a contiguous reservation per request as the paper's Orca baselines: "
+                            "max model length, prompt + output rounded up to a power of two, or the exact length")
+        g.add_argument("--batching", default=d["batching"].default, choices=BATCHING_MODES,
+                       help="continuous (a request joins or leaves at any step) or static (a new batch only once the "
+                            "last one has finished)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{k: v for k, v in vars(args).items() if k in cls.field_names()})

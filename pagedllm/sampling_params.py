@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -68,7 +70,7 @@ class SamplingParams:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequestError(message)
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +90,6 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= 10:  # candidates come from the top 2 * beam_width logprobs (at most 20)
-            raise ValueError(f"beam_width must be in [1, 10], got {self.beam_width}")
+            raise InvalidRequestError(f"beam_width must be in [1, 10], got {self.beam_width}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")

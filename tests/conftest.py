@@ -21,7 +21,7 @@ TINY_SEED = 0
 @functools.lru_cache(maxsize=1)
 def smollm2_gguf_metadata() -> dict:
     """Metadata of the default SmolLM2 GGUF (tokenizer, chat template, ...), read once per session."""
-    from pagedllm.loader import default_model_path, read_gguf
+    from pagedllm.model.loader import default_model_path, read_gguf
 
     metadata, _ = read_gguf(default_model_path())
     return metadata
@@ -42,7 +42,7 @@ def make_tiny_hf_model(path: str, architecture: str = "LlamaForCausalLM", **over
     """Save a tiny random model made by transformers (float32 safetensors) plus the SmolLM2 tokenizer."""
     import transformers
 
-    from pagedllm.tokenizer import Tokenizer
+    from pagedllm.model.tokenizer import Tokenizer
 
     config_class = {
         "LlamaForCausalLM": transformers.LlamaConfig,
@@ -82,7 +82,7 @@ def write_gguf(model_dir: str, gguf_path: str, extra_tensors: dict[str, np.ndarr
     import gguf
     from safetensors.numpy import load_file
 
-    from pagedllm.loader import permute_rows
+    from pagedllm.model.loader import permute_rows
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)

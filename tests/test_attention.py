@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm import attention, kernels
-from pagedllm.attention import is_fast_path_available, paged_attention, write_kv
+from pagedllm.model import attention, kernels
+from pagedllm.model.attention import is_fast_path_available, paged_attention, write_kv
 
 # (context_len, new tokens) per sequence: decodes, whole prompts, chunks after a cached prefix, contexts and
 # prefixes on block boundaries (16, 32, 48, 64), a context of one token, and chunks long enough for several

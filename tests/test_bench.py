@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedllm.cli import main
+from pagedllm.entrypoints.cli import main
 
 
 @pytest.fixture(scope="module")

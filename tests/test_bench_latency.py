@@ -10,13 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedllm import llama, model_runner
-from pagedllm.bench_latency import PARTS, Machine, StepTimers, decode_bound, plan_case
-from pagedllm.cli import main
+from pagedllm.bench.latency import plan_case
+from pagedllm.bench.roofline import Machine, decode_bound
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.step_timers import PARTS
+from pagedllm.entrypoints.cli import main
+from pagedllm.model import llama, model_runner
+from pagedllm.model.tokenizer import IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_step_timers_restore_everything(tiny_model_dir):
     before = (llama.linear, llama.paged_attention, model_runner.sample, model_runner.SamplingBatch,
               IncrementalDetokenizer.step, model.rotary)
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0))
-    with StepTimers(engine) as timers:
+    with engine.step_timers() as timers:
         assert llama.linear is not before[0]
         while engine.has_unfinished_requests():
             engine.step()

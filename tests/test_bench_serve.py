@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench_serve import (
+from pagedllm.bench.serve import (
     ServerProcess,
     default_threshold,
     engine_actions,
@@ -27,7 +27,8 @@ from pagedllm.bench_serve import (
     servable,
     summarize,
 )
-from pagedllm.cli import add_engine_args, main
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 # Small and exact: float32, one thread, the reference attention (no C++ build), a 256-token context.
@@ -38,7 +39,7 @@ MAX_MODEL_LEN = 256
 
 @dataclass
 class BenchRequest:
-    """Stand-in for pagedllm.datasets.BenchRequest (same fields), so these tests make their requests by hand."""
+    """Stand-in for pagedllm.bench.datasets.BenchRequest (same fields), so these tests make their requests by hand."""
 
     prompt: str
     prompt_token_ids: list[int]
@@ -139,11 +140,11 @@ def test_beam_search_requests_are_skipped(capsys: pytest.CaptureFixture) -> None
 
 def test_engine_flags_pass_through_to_the_server() -> None:
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--model", "m", "--num-blocks", "64", "--no-enable-prefix-caching", "--threads", "1"])
-    assert passthrough_argv(args, engine_actions(add_engine_args)) == [
+    assert passthrough_argv(args, engine_actions()) == [
         "--model", "m", "--num-blocks", "64", "--threads", "1", "--no-enable-prefix-caching"]
-    assert passthrough_argv(parser.parse_args([]), engine_actions(add_engine_args)) == []
+    assert passthrough_argv(parser.parse_args([]), engine_actions()) == []
 
 
 def test_max_sustainable_rate_is_the_last_rate_under_the_threshold() -> None:
@@ -162,7 +163,7 @@ def test_max_sustainable_rate_is_the_last_rate_under_the_threshold() -> None:
 
 def test_sweep_command_launches_a_server_per_policy(tiny_model_dir: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("pagedllm.datasets")
+    pytest.importorskip("pagedllm.bench.datasets")
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # this tree's pagedllm in the launched server too
     out, png = tmp_path / "sweep.json", tmp_path / "fig12.png"
     engine = ["--model", tiny_model_dir, *TINY_SERVER_ARGS[:-1]]
@@ -186,7 +187,7 @@ def test_sweep_command_launches_a_server_per_policy(tiny_model_dir: str, tmp_pat
 
 
 def test_bench_serve_command(server: ServerProcess, tiny_model_dir: str, tmp_path: Path) -> None:
-    pytest.importorskip("pagedllm.datasets")
+    pytest.importorskip("pagedllm.bench.datasets")
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     assert main(["bench", "serve", "--base-url", server.url, "--dataset", "random", "--num-prompts", "4",
                  "--input-len", "16", "--output-len", "4", "--request-rate", "20", "--metrics-interval", "0.1",
@@ -200,8 +201,8 @@ def test_bench_serve_command(server: ServerProcess, tiny_model_dir: str, tmp_pat
 
 
 def test_client_tokenizer_comes_without_the_weights(tiny_model_dir: str, tiny_gguf_path: str) -> None:
-    from pagedllm.loader import load_tokenizer
-    from pagedllm.tokenizer import Tokenizer
+    from pagedllm.model.loader import load_tokenizer
+    from pagedllm.model.tokenizer import Tokenizer
 
     text = "The benchmark's prompts are token ids."
     expected = Tokenizer.from_dir(tiny_model_dir).encode(text)

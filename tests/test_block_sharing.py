@@ -58,7 +58,7 @@ def uncached_outputs(tiny_model_dir, shared_reference):
 @pytest.mark.parametrize("collide", [False, True], ids=["hash", "constant-hash"])
 def test_prefix_caching_changes_no_output(tiny_model_dir, shared_reference, uncached_outputs, monkeypatch, collide):
     if collide:  # every block hashes alike: a hit must still compare the stored tokens
-        monkeypatch.setattr("pagedllm.block_manager.hash_block", lambda parent, tokens: 0)
+        monkeypatch.setattr("pagedllm.core.block_manager.hash_block", lambda parent, tokens: 0)
     prompts, refs = shared_reference
     llm = make_llm(tiny_model_dir)
     for _ in range(2):  # the second round finds what the first left in the cache, where not evicted
@@ -175,12 +175,12 @@ def test_beam_search_width_one_is_greedy_and_beams_share_blocks(tiny_model_dir, 
 def test_prefix_caching_flag():
     import argparse
 
-    from pagedllm.cli import add_engine_args, engine_config
+    from pagedllm.config import EngineConfig
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    assert engine_config(parser.parse_args([])).enable_prefix_caching
-    assert not engine_config(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).enable_prefix_caching
+    assert not EngineConfig.from_cli_args(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
 
 
 def test_groups_that_cannot_run_are_rejected_and_the_rest_fit_the_pool(tiny_model_dir):

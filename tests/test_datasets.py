@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pagedllm.datasets import (
+from pagedllm.bench.datasets import (
     DATASETS,
     BenchRequest,
     describe,
@@ -18,7 +18,7 @@ from pagedllm.datasets import (
     sample_requests,
     synthetic_requests,
 )
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.model.tokenizer import Tokenizer
 
 GENERATED = [d for d in DATASETS if d != "file"]
 TEXT = ["sharegpt", "alpaca", "shared-prefix", "parallel-sampling", "beam-search"]

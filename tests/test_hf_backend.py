@@ -1,4 +1,4 @@
-"""The transformers baseline (pagedllm.hf_backend) runs the same requests as pagedllm: exactly output_len greedy
+"""The transformers baseline (pagedllm.bench.hf_backend) runs the same requests as pagedllm: exactly output_len greedy
 tokens per request, the same tokens as pagedllm's (fp32), in both modes, on the same weights."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import torch
 from conftest import TINY_VOCAB
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.cli import main
-from pagedllm.config import EngineConfig
-from pagedllm.datasets import synthetic_requests
-from pagedllm.hf_backend import (
+from pagedllm.bench.datasets import synthetic_requests
+from pagedllm.bench.hf_backend import (
     continuous_batching_config,
     continuous_manager,
     generate_continuous,
@@ -24,6 +22,8 @@ from pagedllm.hf_backend import (
     load_hf_model,
     run_hf,
 )
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli import main
 
 THROUGHPUT_KEYS = {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "load_s",
                    "input_tokens", "output_tokens", "num_prompts", "model", "dtype", "threads", "backend", "hf_mode",
@@ -31,7 +31,7 @@ THROUGHPUT_KEYS = {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"
 
 
 @dataclass
-class Request:  # the fields of pagedllm.datasets.BenchRequest that the backend reads
+class Request:  # the fields of pagedllm.bench.datasets.BenchRequest that the backend reads
     prompt_token_ids: list[int]
     output_len: int
 
@@ -101,8 +101,8 @@ def test_run_hf_reports_throughput_keys_and_counts_only_requested_tokens(tiny_mo
 
 def test_continuous_cache_holds_kv_cache_memory_as_the_engine_counts_it(tiny_qwen2_dir):
     """Qwen2 (biases; transformers' config has no head_dim): blocks from kv_cache_memory as pagedllm sizes them."""
-    from pagedllm.loader import load_model
-    from pagedllm.model_runner import kv_bytes_per_block
+    from pagedllm.model.loader import load_model
+    from pagedllm.model.model_runner import kv_bytes_per_block
 
     requests = make_requests(3, seed=2)
     result = run_hf(requests, tiny_qwen2_dir, "float32", "continuous", kv_cache_memory="2MiB", block_size=8)

@@ -8,8 +8,8 @@ import torch
 from conftest import write_gguf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.hf_backend import load_hf_model
-from pagedllm.layers import INT4_MAX_ROWS, Int4Weight, PackedWeight
+from pagedllm.bench.hf_backend import load_hf_model
+from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight, PackedWeight
 
 STEPS = 6
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import kernels
-from pagedllm.layers import (
+from pagedllm.model import kernels
+from pagedllm.model.layers import (
     INT4_MAX_ROWS,
     Int4Weight,
     PackedWeight,
@@ -103,9 +103,9 @@ def test_top_k_logsumexp(ext, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype) -> None:
     """LlamaModel.top_logits + sample_greedy_from_top give compute_logits + sample's greedy token and logprob."""
-    from pagedllm.llama import LlamaModel
-    from pagedllm.loader import load_model
-    from pagedllm.sampler import SamplingBatch, sample, sample_greedy_from_top
+    from pagedllm.model.llama import LlamaModel
+    from pagedllm.model.loader import load_model
+    from pagedllm.model.sampler import SamplingBatch, sample, sample_greedy_from_top
     from pagedllm.sampling_params import SamplingParams
 
     loaded = load_model(tiny_model_dir, dtype)

@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny_hf_model, write_gguf
 from safetensors.torch import load_file, save_file
 
-from pagedllm.loader import (
+from pagedllm.model.loader import (
     ModelConfig,
     default_model_path,
     expected_shapes,
@@ -21,7 +21,7 @@ from pagedllm.loader import (
     permute_rows,
     read_gguf,
 )
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.model.tokenizer import Tokenizer
 
 
 def _copy(src: str, dst: str) -> str:
@@ -142,7 +142,7 @@ def test_gguf_equals_hf(tiny_gguf_path, tiny_model_dir):
 
 
 def test_gguf_permutation_roundtrip():
-    from pagedllm.loader import _unpermute_rows
+    from pagedllm.model.loader import _unpermute_rows
 
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
     assert not np.array_equal(permute_rows(w, 4), w)

@@ -11,9 +11,8 @@ import pytest
 from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
 
 from pagedllm import LLM, LLMEngine, SamplingParams
-from pagedllm.block_manager import reservation_tokens
-from pagedllm.cli import add_engine_args, engine_config
 from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
+from pagedllm.core.baselines import reservation_tokens
 
 COMBOS = list(itertools.product(KV_POLICIES, BATCHING_MODES))
 COMBO_IDS = [f"{p}-{b}" for p, b in COMBOS]
@@ -147,15 +146,22 @@ def test_kv_usage_is_counted_as_defined(tiny_model_dir, monkeypatch, kv_policy, 
                          max_num_batched_tokens=24, kv_policy=kv_policy, batching=batching)
     waste_workload(engine)
     seen = []
+
+    def count(step):
+        # finished sequences have left the tables by now; the engine counted before they left
+        usage = engine.stats()
+        seen.append((usage.kv_slots_held, usage.kv_tokens_stored))
+        assert seen[-1] == by_definition.pop()
+
+    by_definition = []
     commit = engine.scheduler.commit
 
     def commit_and_count(plan):
         commit(plan)
-        seen.append(slots_and_tokens_by_definition(engine))
-        usage = engine.stats()
-        assert (usage.kv_slots_held, usage.kv_tokens_stored) == seen[-1]
+        by_definition.append(slots_and_tokens_by_definition(engine))
 
     monkeypatch.setattr(engine.scheduler, "commit", commit_and_count)
+    engine.add_step_observer(count)
     run(engine)
     stats = engine.stats()
     assert stats.kv_steps == len(seen)
@@ -208,10 +214,10 @@ def test_bad_values_raise_and_the_cli_takes_the_flags():
         EngineConfig(batching="dynamic")
     assert not EngineConfig(kv_policy="reserve-oracle").enable_prefix_caching  # the baselines share nothing
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    config = engine_config(parser.parse_args(["--kv-policy", "reserve-pow2", "--batching", "static"]))
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(["--kv-policy", "reserve-pow2", "--batching", "static"]))
     assert (config.kv_policy, config.batching) == ("reserve-pow2", "static")
-    config = engine_config(parser.parse_args([]))
+    config = EngineConfig.from_cli_args(parser.parse_args([]))
     assert (config.kv_policy, config.batching, config.enable_prefix_caching) == ("paged", "continuous", True)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-policy", "contiguous"])

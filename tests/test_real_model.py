@@ -13,7 +13,7 @@ from test_engine import assert_matches_reference, hf_greedy
 from test_int4 import logprob_error, teacher_forced_logprobs
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.hf_backend import load_hf_model
+from pagedllm.bench.hf_backend import load_hf_model
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.sampler import SamplingBatch, apply_penalties, sample
+from pagedllm.model.sampler import SamplingBatch, apply_penalties, sample
 from pagedllm.sampling_params import SamplingParams
 
 TINY_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
@@ -333,7 +333,7 @@ def test_batch_fields_are_none_when_unused():
 
 
 def test_greedy_from_top_picks_the_lowest_id_among_equal_maxima() -> None:
-    from pagedllm.sampler import sample_greedy_from_top
+    from pagedllm.model.sampler import sample_greedy_from_top
 
     values = torch.tensor([[3.0, 5.0, 5.0, 1.0], [2.0, 1.0, 0.0, -1.0]])
     ids = torch.tensor([[7, 9, 4, 2], [11, 3, 5, 6]])

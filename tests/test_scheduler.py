@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.block_manager import BlockManager, Write, blocks_for
-from pagedllm.block_pool import BlockPool, NoFreeBlocksError
+from pagedllm.core.block_manager import BlockManager, Write, blocks_for
+from pagedllm.core.block_pool import BlockPool, NoFreeBlocksError
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
-from pagedllm.sequence import Sequence, SequenceGroup
 
 
 def make_seq(rid: str, prompt_len: int, max_tokens: int, n: int = 1) -> Sequence:
@@ -200,7 +200,7 @@ class FakeCache:
         if not self._fits(Write(sid, start, len(tokens), prefix)):
             return
         self.tokens[sid] = list(tokens)
-        self.bm.share_prefix(sid, prefix)
+        self.bm.share_prefix(sid, prefix, len(tokens))
         self.bm.allocate(sid, len(tokens), start)
         assert self.bm.num_free_blocks == self.expected_free
         self._write(sid, start)
@@ -239,7 +239,7 @@ class FakeCache:
 def test_fork_append_cow_free_evict_keep_invariants_and_contents(monkeypatch, collide, block_size, num_blocks,
                                                                   seed):
     if collide:  # every block hashes alike: only the stored tokens tell them apart
-        monkeypatch.setattr("pagedllm.block_manager.hash_block", lambda parent, tokens: 0)
+        monkeypatch.setattr("pagedllm.core.block_manager.hash_block", lambda parent, tokens: 0)
     rng = random.Random(seed)
     fc = FakeCache(num_blocks, block_size)
     stems = [[rng.randrange(3) for _ in range(12)] for _ in range(3)]  # few stems: prompts share prefixes

@@ -15,11 +15,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.bench_serve import ServerProcess as Server
+from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import Tokenizer
 
 API_KEY = "sk-test-0123456789"
 REPO = Path(__file__).resolve().parent.parent
@@ -390,8 +390,6 @@ class FakeEngine:
         self.steps = 0
         self.fail: Exception | None = None
         self.broken = False
-        self.scheduler = SimpleNamespace(running=[], num_preemptions=0)
-        self.block_manager = SimpleNamespace(num_free_blocks=8, num_total_blocks=8)
         self.model_config = SimpleNamespace(vocab_size=100)
 
     def tokenize_prompt(self, prompt: list[int]) -> list[int]:
@@ -402,15 +400,21 @@ class FakeEngine:
         if prompt == [13]:
             raise ValueError("unlucky prompt")
         self.tokens[request_id] = []
-        self.scheduler.running.append(SimpleNamespace(request_id=request_id))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.tokens:
             return None
         return self._output(request_id, "abort")
 
+    def fail_running(self) -> list[RequestOutput]:
+        return [self._output(request_id, "abort") for request_id in list(self.tokens)]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.tokens)
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_usage=0.0, kv_slots_held=0, preemptions=0, prefix_cache_queries=0,
+                               prefix_cache_hits=0)
 
     @property
     def num_running(self) -> int:
@@ -434,8 +438,6 @@ class FakeEngine:
 
     def _output(self, request_id: str, reason: str | None) -> RequestOutput:
         tokens = self.tokens[request_id] if reason is None else self.tokens.pop(request_id)
-        if reason is not None:
-            self.scheduler.running = [s for s in self.scheduler.running if s.request_id != request_id]
         completion = CompletionOutput(0, "x" * len(tokens), list(tokens), 0.0, None, reason)
         return RequestOutput(request_id, None, [1], [completion], reason is not None)
 
@@ -496,7 +498,7 @@ def test_async_engine_step_failure_fails_its_requests_then_death_fails_everythin
 def test_dead_engine_gives_503s_not_hangs() -> None:
     from fastapi.testclient import TestClient
 
-    from pagedllm.server import build_app
+    from pagedllm.entrypoints.openai.api_server import build_app
 
     fake = FakeEngine(length=1000)
     app = build_app(fake, ["fake"])

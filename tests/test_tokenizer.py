@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import smollm2_gguf_metadata
 
-from pagedllm.loader import default_model_path
-from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedllm.model.loader import default_model_path
+from pagedllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -205,7 +205,7 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
 
-    from pagedllm.loader import read_gguf
+    from pagedllm.model.loader import read_gguf
 
     tok = Tokenizer.from_gguf_metadata(read_gguf(path)[0])
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")

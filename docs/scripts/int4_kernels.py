@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from pagedllm import kernels
-from pagedllm.layers import Int4Weight, PackedWeight, linear
+from pagedllm.model import kernels
+from pagedllm.model.layers import Int4Weight, PackedWeight, linear
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

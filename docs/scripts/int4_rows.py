@@ -8,7 +8,7 @@ import random
 import sys
 import time
 
-import pagedllm.layers as layers
+import pagedllm.model.layers as layers
 from pagedllm import LLM, SamplingParams
 
 engine = LLM(kv_cache_memory="2GiB").engine

@@ -7,8 +7,8 @@ median ms, the two interleaved so background load hits both alike:
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench_latency import call_times
-from pagedllm.layers import PackedWeight, linear
+from pagedllm.bench.roofline import call_times
+from pagedllm.model.layers import PackedWeight, linear
 
 torch.set_num_threads(2)
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]

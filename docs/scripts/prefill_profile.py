@@ -9,7 +9,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench_latency import layer_params
+from pagedllm.bench.roofline import layer_params
 
 llm = LLM(kv_cache_memory="1GiB")
 rng = random.Random(0)

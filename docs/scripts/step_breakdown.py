@@ -15,10 +15,10 @@ from collections import defaultdict
 
 import torch.nn.functional as F
 
-import pagedllm.llama as llama
-import pagedllm.model_runner as model_runner
+import pagedllm.model.llama as llama
+import pagedllm.model.model_runner as model_runner
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 batch, ctx = int(sys.argv[1]), int(sys.argv[2])

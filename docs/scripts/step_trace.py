@@ -8,7 +8,7 @@ import time
 from collections import defaultdict
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.datasets import sample_requests
+from pagedllm.bench.datasets import sample_requests
 
 llm = LLM()
 engine = llm.engine

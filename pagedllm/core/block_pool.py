@@ -35,6 +35,7 @@ class BlockPool:
         self.contents: dict[int, BlockContent] = {}  # block -> its registered contents
         self._cids = itertools.count()
         self.num_evictions = 0
+        self.num_cached_free = 0  # free blocks that still hold a registered prefix (kept as a count: read every step)
 
     @property
     def num_free(self) -> int:
@@ -44,28 +45,36 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
-    @property
-    def num_cached_free(self) -> int:
-        return sum(1 for b in self.free if b in self.contents)
-
     def take(self) -> int:
         """A fresh block with one reference: the front of the free list, its cached contents evicted."""
         if not self.free:
             raise NoFreeBlocksError("the KV block pool is empty")
         block_id, _ = self.free.popitem(last=False)
-        content = self.contents.pop(block_id, None)
-        if content is not None:
+        if block_id in self.contents:
             self.num_evictions += 1
-            if self.cached.get(content.hash) == block_id:
-                del self.cached[content.hash]
+            self._forget(block_id)
         self.ref_counts[block_id] = 1
         return block_id
+
+    def evict_cached_free(self) -> None:
+        """Empty the prefix cache of every free block (blocks in use keep theirs): vLLM's reset_prefix_cache."""
+        for block_id in [b for b in self.free if b in self.contents]:
+            self._forget(block_id)
+            self.free.move_to_end(block_id, last=False)
+
+    def _forget(self, block_id: int) -> None:
+        """A free block's registered contents go: it is no longer found by its hash."""
+        content = self.contents.pop(block_id)
+        self.num_cached_free -= 1
+        if self.cached.get(content.hash) == block_id:
+            del self.cached[content.hash]
 
     def incref(self, block_id: int) -> None:
         """One more holder; a cached-but-free block comes back to life."""
         if self.ref_counts[block_id] == 0:
             assert block_id in self.contents, f"block {block_id} is free and holds nothing"
             del self.free[block_id]
+            self.num_cached_free -= 1
         self.ref_counts[block_id] += 1
 
     def release(self, block_id: int) -> None:
@@ -74,7 +83,9 @@ class BlockPool:
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
             self.free[block_id] = None
-            if block_id not in self.contents:
+            if block_id in self.contents:
+                self.num_cached_free += 1
+            else:
                 self.free.move_to_end(block_id, last=False)
 
     def lookup(self, block_hash: int, key: tuple[int, tuple[int, ...]]) -> int | None:
@@ -99,5 +110,6 @@ class BlockPool:
         referenced = {b for b, rc in enumerate(self.ref_counts) if rc > 0}
         assert not set(self.free) & referenced, "a free block is referenced"
         assert len(self.free) + len(referenced) == self.num_blocks, "a block is neither free nor referenced"
+        assert self.num_cached_free == sum(b in self.contents for b in self.free), "cached-free count is off"
         for block_hash, block_id in self.cached.items():
             assert self.contents[block_id].hash == block_hash, f"block {block_id} is cached under a wrong hash"

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-import torch
-
-from pagedllm.attention import is_fast_path_available
-from pagedllm.block_manager import BlockManager
 from pagedllm.config import EngineConfig
-from pagedllm.layers import INT4_MAX_ROWS
-from pagedllm.llama import LlamaModel
-from pagedllm.loader import load_model
-from pagedllm.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.core.baselines import make_scheduler
+from pagedllm.core.kv_stats import KVUsage
+from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.engine.step_timers import StepTimers
+from pagedllm.errors import InvalidRequestError
+from pagedllm.model.loader import ModelConfig
+from pagedllm.model.model_runner import ModelRunner
+from pagedllm.model.sampler import SamplerOutput
+from pagedllm.model.tokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
-from pagedllm.sequence import Sequence, SequenceGroup
-from pagedllm.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("pagedllm")
 
@@ -33,6 +32,7 @@ class EngineCounters:
     prefix_cache_hits: int
     blocks_in_use: int
     blocks_cached_free: int
+    num_total_blocks: int
     cow_copies: int
     preemptions: int
     kv_slots_held: int  # last step: KV token slots in blocks held by running sequences (a shared block once)
@@ -48,40 +48,49 @@ class EngineCounters:
         unused reservations under the reservation policies)."""
         return 1 - self.kv_tokens_stored_sum / self.kv_slots_held_sum if self.kv_slots_held_sum else 0.0
 
+    @property
+    def last_step_kv_waste_fraction(self) -> float:
+        """The same share in the last step alone (the server's gauge)."""
+        return 1 - self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
+        return self.blocks_in_use / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for step observers: `blocks_in_use` is counted while the step's forward held them."""
+
+    num_batched_tokens: int
+    num_scheduled_seqs: int
+    num_preempted: int
+    blocks_in_use: int
+    outputs: list[RequestOutput]
+
+
+StepObserver = Callable[[StepRecord], None]
+
 
 class LLMEngine:
     """Owns the scheduler and the model runner; `step()` runs one iteration of continuous batching."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
-        dtype = getattr(torch, config.torch_dtype_name)
-        keep_4bit = config.quantization == "auto" and config.attention_backend != "reference"
-        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
-        self.model_name = loaded.name
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = set(loaded.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
-            loaded.config, config.block_size, dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
-        self.max_model_len = self._max_model_len(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.kv_policy, config.batching)
-        if config.attention_backend != "reference":
-            is_fast_path_available()  # compile (or load the cached build of) the C++ kernel now, not on a request
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.eos_token_ids)
+        self.runner, self.tokenizer, self.model_name = ModelRunner.from_config(config)
+        self.model_config: ModelConfig = self.runner.model_config
+        self.eos_token_ids = set(self.runner.eos_token_ids)
+        self.max_model_len = self._max_model_len(self.runner.num_blocks)
+        self.scheduler = make_scheduler(config.kv_policy, config.batching, self.runner.num_blocks, config.block_size,
+                                        config.enable_prefix_caching, config.max_num_seqs,
+                                        config.max_num_batched_tokens, self.max_model_len)
+        self.block_manager = self.scheduler.block_manager
+        self.kv_usage = KVUsage()
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
-        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows), %d KV blocks of "
-                    "%d tokens, max_model_len %d", self.model_name, config.torch_dtype_name, model.num_int4_matmuls,
-                    INT4_MAX_ROWS, num_blocks, config.block_size, self.max_model_len)
+        self.observers: list[StepObserver] = []
+        logger.info("max_model_len %d", self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
         """The model's context, capped by what the pool can hold for one sequence."""
@@ -100,27 +109,28 @@ class LLMEngine:
         """Token ids of a prompt given as text or ids, checked against the vocabulary and the context."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                             "(it must leave room for at least one generated token)")
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                                      "(it must leave room for at least one generated token)")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Sequence:
-        """Validate and queue a request; bad input raises ValueError and never reaches the scheduler."""
+        """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler."""
         params = params or SamplingParams()
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         ids = self.tokenize_prompt(prompt)
         room = self.scheduler.seq_len_limit(params.n) - len(ids)
         if room < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
         group = SequenceGroup.make(seq)
@@ -141,14 +151,13 @@ class LLMEngine:
         self._release_finished(group)
         return self._output(group)
 
+    def fail_running(self) -> list[RequestOutput]:
+        """Abort every running request (after a failed step); their final outputs, blocks back in the pool."""
+        outputs = [self.abort_request(g.request_id) for g in list(self.scheduler.running)]
+        return [out for out in outputs if out is not None]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def stats(self) -> EngineCounters:
-        pool = self.block_manager.pool
-        return EngineCounters(self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits, pool.num_used,
-                              pool.num_cached_free, self.block_manager.num_cow_copies, self.scheduler.num_preemptions,
-                              **asdict(self.scheduler.kv_usage))
 
     @property
     def num_running(self) -> int:
@@ -158,20 +167,68 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_int4_matmuls(self) -> int:
+        """Matmuls that run the checkpoint's 4-bit weights as stored (for small steps)."""
+        return self.runner.model.num_int4_matmuls
+
+    # ---- statistics and control -------------------------------------------------------------------
+    def stats(self) -> EngineCounters:
+        bm = self.block_manager
+        return EngineCounters(bm.prefix_cache_queries, bm.prefix_cache_hits, bm.pool.num_used,
+                              bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
+                              self.scheduler.num_preemptions, **asdict(self.kv_usage))
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call `observer` with a StepRecord after every step that ran the model."""
+        self.observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        self.observers.remove(observer)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.block_manager.enable_prefix_caching
+
+    @enable_prefix_caching.setter
+    def enable_prefix_caching(self, enabled: bool) -> None:
+        """Turn the prefix cache on or off for sequences that start from now (a benchmark compares both)."""
+        if enabled and self.config.kv_policy != "paged":
+            raise ValueError("prefix caching needs kv_policy paged")
+        self.block_manager.enable_prefix_caching = enabled
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by free blocks (blocks in use keep theirs), as vLLM's of that name."""
+        self.block_manager.pool.evict_cached_free()
+
+    @contextlib.contextmanager
+    def step_timers(self) -> Iterator[StepTimers]:
+        """Time the parts of every step run inside the block (a benchmark's breakdown; off the hot path otherwise)."""
+        with StepTimers(self) as timers:
+            yield timers
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs of every request that got a token."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        blocks_in_use = self.block_manager.pool.num_used
         now = time.time()
         for s in plan.scheduled:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        sampled = self.runner.execute(plan, self.block_manager.block_tables)
+        sampled = self.runner.execute(plan)
         self.scheduler.commit(plan)
-        sampling = [seq for s in plan.scheduled for seq in s.samplers]
-        if sampled is None:
-            return []
+        self.kv_usage.record_step(self.block_manager, self.scheduler.running)
+        outputs = self._process_outputs(plan.sampling_seqs, sampled) if sampled is not None else []
+        if self.observers:
+            record = StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
+                                outputs)
+            for observer in self.observers:
+                observer(record)
+        return outputs
+
+    def _process_outputs(self, sampling: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         touched: dict[str, SequenceGroup] = {}
         for row, seq in enumerate(sampling):
             self._process_token(seq, sampled, row)

@@ -29,6 +29,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from pagedllm.config import EngineConfig
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 RUNNING_MAX = "pagedllm:num_requests_running_max"
 PREEMPTIONS = "pagedllm:num_preemptions_total"
@@ -397,7 +399,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port), *self.argv]
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *self.argv]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         try:
@@ -505,7 +507,7 @@ def default_threshold(points: Sequence[dict[str, Any]], policies: Sequence[str],
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
-def add_command(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
     """`pagedllm bench serve` (a client for a running server) and `pagedllm bench sweep` (launches servers)."""
     sv = sub.add_parser("serve", help="online serving benchmark against a running OpenAI-compatible server")
     sv.add_argument("--base-url", default=DEFAULT_BASE_URL)
@@ -536,13 +538,13 @@ def add_command(sub: argparse._SubParsersAction, add_engine_args: Callable) -> N
     sw.add_argument("--output-json", default=None)
     sw.add_argument("--plot", default=None, help="PNG of normalized latency vs request rate; the timelines go to "
                                                  "PLOT-timeline.png")
-    add_engine_args(sw)  # passed to every server; --seed also seeds the workload
-    sw.set_defaults(func=functools.partial(cmd_sweep, actions=engine_actions(add_engine_args)))
+    EngineConfig.add_cli_args(sw)  # passed to every server; --seed also seeds the workload
+    sw.set_defaults(func=functools.partial(cmd_sweep, actions=engine_actions()))
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", help="a name of pagedllm.datasets.DATASETS")
+    g.add_argument("--dataset", default="random", help="a name of pagedllm.bench.datasets.DATASETS")
     g.add_argument("--dataset-path", default=None)
     g.add_argument("--num-prompts", type=int, default=200)
     g.add_argument("--input-len", type=int, default=None)
@@ -554,10 +556,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics samples (0: none)")
 
 
-def engine_actions(add_engine_args: Callable) -> list[argparse.Action]:
+def engine_actions() -> list[argparse.Action]:
     """The engine flags' argparse actions, from a throwaway parser (argparse has no public list of them)."""
     probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
+    EngineConfig.add_cli_args(probe)
     return list(probe._actions)
 
 
@@ -594,7 +596,7 @@ def servable(requests: list[Any]) -> list[Any]:
 
 
 def sample_workload(args: argparse.Namespace, tokenizer: Any, max_model_len: int | None, seed: int) -> list[Any]:
-    from pagedllm.datasets import sample_requests
+    from pagedllm.bench.datasets import sample_requests
 
     return servable(sample_requests(args.dataset, tokenizer, args.num_prompts, seed, dataset_path=args.dataset_path,
                                     input_len=args.input_len, output_len=args.output_len,
@@ -620,8 +622,8 @@ def context(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.datasets import poisson_arrivals
-    from pagedllm.loader import load_tokenizer
+    from pagedllm.bench.datasets import poisson_arrivals
+    from pagedllm.model.loader import load_tokenizer
 
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be positive, got {args.request_rate}")
@@ -645,8 +647,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace, actions: Sequence[argparse.Action]) -> int:
-    from pagedllm.datasets import poisson_arrivals
-    from pagedllm.loader import load_tokenizer
+    from pagedllm.bench.datasets import poisson_arrivals
+    from pagedllm.model.loader import load_tokenizer
 
     rates = [float(r) for r in args.request_rates.split(",") if r.strip()]
     policies = [p.strip() for p in args.kv_policies.split(",") if p.strip()]

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+import logging
+from collections.abc import Collection, Hashable
 from itertools import chain
 
 import numpy as np
 import torch
 
-from pagedllm.llama import AttentionMetadata, LlamaModel
-from pagedllm.loader import ModelConfig
-from pagedllm.sampler import SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
-from pagedllm.scheduler import SchedulerOutput
-from pagedllm.sequence import Sequence
+from pagedllm.config import EngineConfig
+from pagedllm.core.plan import SchedulerOutput
+from pagedllm.core.sequence import Sequence
+from pagedllm.model.attention import is_fast_path_available
+from pagedllm.model.layers import INT4_MAX_ROWS
+from pagedllm.model.llama import AttentionMetadata, LlamaModel
+from pagedllm.model.loader import ModelConfig, load_model
+from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -22,13 +29,16 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the per-request random generators; knows nothing of policy."""
+    """Owns the model, the KV cache tensors and the random generators; knows nothing of policy."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: Collection[int],
+                 seed: int = 0) -> None:
         c = model.config
         self.model = model
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.rng = torch.Generator().manual_seed(seed)  # unseeded requests draw from this, not torch's global one
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         # Uninitialised: attention reads only slots written before it (tests fill the pool with NaN to check), and
         # zeroing GiBs up front costs seconds of page faults at start-up; pages now fault in as blocks are first used.
@@ -36,8 +46,32 @@ class ModelRunner:
                           for _ in range(c.num_hidden_layers)]
         self.generators: dict[Hashable, torch.Generator] = {}
 
-    def prepare(self, plan: SchedulerOutput, block_tables: Mapping[Hashable, list[int]]
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> tuple[ModelRunner, Tokenizer, str]:
+        """Load the checkpoint, size the KV pool from the memory budget and build the kernels now, not on a request;
+        the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
+        torch.set_num_threads(config.num_threads)
+        dtype = getattr(torch, config.torch_dtype_name)
+        keep_4bit = config.quantization == "auto" and config.attention_backend != "reference"
+        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
+        num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
+            loaded.config, config.block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
+        if config.attention_backend != "reference":
+            is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
+        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights)
+        eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows), %d KV blocks of "
+                    "%d tokens", loaded.name, config.torch_dtype_name, model.num_int4_matmuls, INT4_MAX_ROWS,
+                    num_blocks, config.block_size)
+        return cls(model, num_blocks, config.block_size, eos, config.seed), loaded.tokenizer, loaded.name
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    def prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and the rows whose logits are sampled, built once per step."""
         scheduled = plan.scheduled
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
@@ -48,7 +82,7 @@ class ModelRunner:
         torch.cumsum(lens, 0, out=query_start_loc[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
         positions = torch.arange(len(input_ids)) - query_start_loc[seq_of_token] + starts[seq_of_token]
-        tables = [block_tables[s.seq.seq_id] for s in scheduled]
+        tables = [s.block_table for s in scheduled]
         padded = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for row, table in zip(padded, tables):
             row[:len(table)] = table
@@ -66,20 +100,20 @@ class ModelRunner:
         return input_ids, positions, meta, torch.repeat_interleave(query_start_loc[1:] - 1, fan_out)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, block_tables: Mapping[Hashable, list[int]]) -> SamplerOutput | None:
+    def execute(self, plan: SchedulerOutput) -> SamplerOutput | None:
         """One model step; returns the tokens of the sequences that sample, in plan order (None if none do)."""
         self.copy_blocks(plan.copies)
-        input_ids, positions, meta, logit_rows = self.prepare(plan, block_tables)
+        input_ids, positions, meta, logit_rows = self.prepare(plan)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
-        seqs = [seq for s in plan.scheduled for seq in s.samplers]
+        seqs = plan.sampling_seqs
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_ids=self.eos_token_ids)
         if batch.is_plain_greedy and self.model.ext is not None:
             return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows]))
-        return sample(self.model.compute_logits(hidden[logit_rows]), batch)
+        return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) block of the step in one batched gather/scatter per cache tensor."""

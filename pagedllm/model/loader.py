@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.tokenizer import Tokenizer, read_json
+from pagedllm.model.tokenizer import Tokenizer, read_json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

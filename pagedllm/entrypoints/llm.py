@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedllm.model.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
 

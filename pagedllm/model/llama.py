@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm import kernels
-from pagedllm.attention import paged_attention, write_kv
-from pagedllm.layers import Int4Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
-from pagedllm.loader import ModelConfig, Q4Weight
+from pagedllm.model import kernels
+from pagedllm.model.attention import paged_attention, write_kv
+from pagedllm.model.layers import Int4Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
+from pagedllm.model.loader import ModelConfig, Q4Weight
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 

@@ -14,7 +14,7 @@ import hmac
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,10 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from pagedllm.metrics import EngineStats
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.protocol import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagedllm.entrypoints.openai.metrics import EngineStats
+from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -61,9 +61,11 @@ from pagedllm.protocol import (
     now,
     random_id,
 )
+from pagedllm.errors import InvalidRequestError
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedllm.server")
+logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 T = TypeVar("T")
 MAX_N = 128
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -92,7 +94,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "server_error", code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "server_error", code="engine_dead")
-    if isinstance(exc, ValueError):
+    if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     logger.error("request failed", exc_info=exc)
     return APIError(500, "the server failed while serving this request", "server_error")
@@ -178,11 +180,11 @@ class ServerContext:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
@@ -192,8 +194,8 @@ class ServerContext:
     def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids checked against vocabulary and context (read-only engine use: safe off its thread)."""
         try:
-            return self.engine.engine.tokenize_prompt(prompt)
-        except ValueError as e:
+            return self.engine.tokenize_prompt(prompt)
+        except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
 
     def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
@@ -225,7 +227,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output)
-    except ValueError as e:
+    except InvalidRequestError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
 
@@ -617,7 +619,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
 async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
     ctx = server_of(raw)
     ctx.check_model(req.model)
-    vocab = ctx.engine.engine.model_config.vocab_size
+    vocab = ctx.engine.vocab_size
     if not all(0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
@@ -648,7 +650,7 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
     return app
 
 
-def add_serve_command(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
     """`pagedllm serve`: the OpenAI-compatible server, with every engine flag."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     g = p.add_argument_group("server")
@@ -664,15 +666,14 @@ def add_serve_command(sub: argparse._SubParsersAction, add_engine_args: Callable
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    add_engine_args(p)
+    EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagedllm.cli import engine_config
-    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be positive, got {args.max_waiting_requests}")
@@ -681,7 +682,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
     if logging.getLogger().level > logging.INFO:  # a server reports its model and KV cache at start
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
     names = args.served_model_name or [args.model or engine.model_name]
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_waiting_requests=args.max_waiting_requests,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedllm.async_engine")
+logger = logging.getLogger("pagedllm.engine.async_engine")
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -110,6 +110,23 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    # ---- the engine's read-only facts (safe from the event loop: they never change) -------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The engine's checked tokenization; reads nothing the loop thread changes."""
+        return self.engine.tokenize_prompt(prompt)
 
     @property
     def is_alive(self) -> bool:
@@ -237,11 +254,11 @@ class AsyncLLMEngine:
 
     def _fail_step(self, error: Exception) -> None:
         """A failed step fails the requests that ran in it, not the engine (unless the engine is broken)."""
-        victims = [seq.request_id for seq in self.engine.scheduler.running]
+        aborted = self.engine.fail_running()
+        victims = [out.request_id for out in aborted]
         logger.exception("engine step failed; failing its %d running requests", len(victims))
-        aborted = [self.engine.abort_request(request_id) for request_id in victims]
         self.num_running = self.engine.num_running
-        self._observe([out for out in aborted if out is not None])
+        self._observe(aborted)
         self._step_failures += 1
         self.engine.check_invariants()  # raises if the failure left the block pool inconsistent: loop dies
         if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from pagedllm import kernels
+from pagedllm.model import kernels
 
 # A sequence whose step has at least this many query rows (queries x query heads per kv head) uses the tiled
 # prefill kernel, fewer the row (decode) kernel; measured crossover on this CPU.

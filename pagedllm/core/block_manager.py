@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedllm.block_pool import BlockPool
+from pagedllm.core.block_pool import BlockPool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def reservation_tokens(policy: str, num_prompt_tokens: int, max_tokens: int, limit: int) -> int:
-    """Slots a contiguous KV allocator sets aside for a sequence at admission, as the vLLM paper's Orca baselines
-    (section 6.1): reserve-max the longest sequence allowed, reserve-pow2 the prompt plus the output length rounded up
-    to a power of two (the output over-reserved by at most 2x), reserve-oracle the exact final length. `max_tokens`
-    stands for the true output length: it is, when a benchmark sets it so and runs with ignore_eos. At most `limit`."""
-    if policy == "reserve-max":
-        return limit
-    if policy == "reserve-pow2":
-        return min(limit, num_prompt_tokens + (1 << (max_tokens - 1).bit_length()))
-    if policy == "reserve-oracle":
-        return min(limit, num_prompt_tokens + max_tokens)
-    raise ValueError(f"no reservation under kv_policy {policy!r}")
 
 
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
@@ -50,26 +36,6 @@ class Write:
     prefix: Prefix = field(default_factory=Prefix)
 
 
-@dataclass
-class KVUsage:
-    """KV token slots held (blocks held by running sequences x block size; a shared block once) and tokens stored in
-    them, at the last step and summed over steps: the waste fraction of a run is 1 - stored_sum / held_sum."""
-
-    kv_slots_held: int = 0
-    kv_tokens_stored: int = 0
-    kv_slots_held_sum: int = 0
-    kv_tokens_stored_sum: int = 0
-    kv_steps: int = 0
-    peak_num_running: int = 0  # most sequences running in one step
-
-    def record(self, held: int, stored: int, num_running: int) -> None:
-        self.kv_slots_held, self.kv_tokens_stored = held, stored
-        self.kv_slots_held_sum += held
-        self.kv_tokens_stored_sum += stored
-        self.kv_steps += 1
-        self.peak_num_running = max(self.peak_num_running, num_running)
-
-
 class BlockManager:
     """Maps sequence ids to lists of physical blocks; a new block is taken only when the last one is full."""
 
@@ -80,8 +46,9 @@ class BlockManager:
         self.block_tables: dict[Hashable, list[int]] = {}
         self.block_hashes: dict[Hashable, list[int]] = {}  # hashes of the table's registered full blocks
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs not yet handed to the runner
-        self.next_copies: list[tuple[int, int]] = []  # pairs for the step after the one being scheduled
         self.num_cow_copies = 0
+        self.prefix_cache_queries = 0  # tokens of new sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +57,13 @@ class BlockManager:
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def has_table(self, seq_id: Hashable) -> bool:
+        return seq_id in self.block_tables
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's physical blocks in logical order (the live list: read it, do not change it)."""
+        return self.block_tables[seq_id]
 
     # ---- prefix cache -----------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> Prefix:
@@ -135,9 +109,12 @@ class BlockManager:
     def can_allocate(self, seq_id: Hashable, num_tokens: int, start: int = 0) -> bool:
         return self.blocks_needed([Write(seq_id, start, num_tokens)]) <= self.pool.num_free
 
-    def share_prefix(self, seq_id: Hashable, prefix: Prefix) -> None:
-        """Start a new sequence's table with cached blocks (one more reference each)."""
+    def share_prefix(self, seq_id: Hashable, prefix: Prefix, num_tokens: int) -> None:
+        """Start a new sequence of `num_tokens` tokens with its cached blocks (one more reference each)."""
         assert seq_id not in self.block_tables
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += len(prefix.blocks) * self.block_size
         for block_id in prefix.blocks:
             self.pool.incref(block_id)
         self.block_tables[seq_id] = list(prefix.blocks)
@@ -149,11 +126,6 @@ class BlockManager:
         for _ in range(blocks_for(num_tokens, self.block_size) - len(table)):
             table.append(self.pool.take())
         self.copy_on_write(seq_id, start)
-
-    def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
-        """A reservation policy's table: every block the sequence may ever need, taken now (so it never grows)."""
-        assert seq_id not in self.block_tables
-        self.block_tables[seq_id] = [self.pool.take() for _ in range(blocks_for(num_tokens, self.block_size))]
 
     def append_slot(self, seq_id: Hashable, num_tokens: int) -> None:
         """Room for one more token after `num_tokens - 1` stored ones (decode)."""
@@ -178,13 +150,6 @@ class BlockManager:
         self.block_tables[child_id] = list(table)
         self.block_hashes[child_id] = list(self.block_hashes.get(parent_id, []))
 
-    def copy_into_reservation(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
-        """A sample with its own reservation gets its own copy of the parent's first `num_tokens` tokens (nothing is
-        shared). The copy runs before the next step, as the step being scheduled still writes the parent's last
-        prompt chunk; should the child's blocks be freed meanwhile, their next holder writes them after the copy."""
-        n = blocks_for(num_tokens, self.block_size)
-        self.next_copies += zip(self.block_tables[parent_id][:n], self.block_tables[child_id][:n])
-
     def free(self, seq_id: Hashable) -> None:
         """Return every block of the sequence; tail first, so the LRU evicts a sequence's tail before its head."""
         self.block_hashes.pop(seq_id, None)
@@ -193,25 +158,12 @@ class BlockManager:
 
     def take_copies(self) -> list[tuple[int, int]]:
         """This step's block copies, for the model runner to perform before the forward."""
-        copies, self.copies, self.next_copies = self.copies, self.next_copies, []
+        copies, self.copies = self.copies, []
         return copies
 
     def slot(self, seq_id: Hashable, position: int) -> int:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def kv_slots_and_tokens(self, num_stored: Mapping[Hashable, int]) -> tuple[int, int]:
-        """Token slots of the held blocks and the tokens stored in them, a shared block counted once, given the
-        tokens each sequence stores (none if missing). Only a table's last filled block can be partial (a shared one
-        alike in every sharer) and only a reservation has blocks past it, so one look per table suffices."""
-        bs, unused, tails = self.block_size, 0, {}
-        for seq_id, table in self.block_tables.items():
-            full, part = divmod(num_stored.get(seq_id, 0), bs)
-            unused += len(table) - full - (part > 0)
-            if part:
-                tails[table[full]] = bs - part
-        held = self.pool.num_used * bs
-        return held, held - unused * bs - sum(tails.values())
 
     def _written_block(self, seq_id: Hashable, position: int) -> int | None:
         """The existing block a write at `position` lands in (None if it needs a new block)."""

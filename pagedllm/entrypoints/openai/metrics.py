@@ -57,7 +57,7 @@ class EngineStats:
         self.num_requests_running_max = gauge(
             "num_requests_running_max", "Most requests running in one step since the server started.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 = all blocks taken.")
-        self.kv_waste_fraction = gauge(
+        self.kv_waste_fraction = gauge(  # EngineCounters.last_step_kv_waste_fraction; stats() also has the run's
             "kv_waste_fraction", "Share of the KV token slots held by running requests that hold no token (last step).")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -96,28 +96,22 @@ class EngineStats:
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
         self.num_requests_running_max.set(self._peak_running)
-        self.kv_cache_usage_perc.set(kv_cache_usage(engine))
-        self._record_kv_waste(engine)
-        preemptions = engine.scheduler.num_preemptions
-        if preemptions > self._seen_preemptions:
-            self.num_preemptions.inc(preemptions - self._seen_preemptions)
-            self._seen_preemptions = preemptions
-        self._record_prefix_cache_delta(engine)
-        self._maybe_log_engine(engine, running, waiting)
-
-    def _record_kv_waste(self, engine: Any) -> None:
-        stats = engine.stats() if hasattr(engine, "stats") else None
-        if stats is not None and stats.kv_slots_held:
-            self.kv_waste_fraction.set(1 - stats.kv_tokens_stored / stats.kv_slots_held)
+        stats = engine.stats()
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        if stats.kv_slots_held:
+            self.kv_waste_fraction.set(stats.last_step_kv_waste_fraction)
+        if stats.preemptions > self._seen_preemptions:
+            self.num_preemptions.inc(stats.preemptions - self._seen_preemptions)
+            self._seen_preemptions = stats.preemptions
+        self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self._maybe_log_engine(stats.kv_cache_usage, running, waiting)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""
         self.prefix_cache_queries.inc(queries)
         self.prefix_cache_hits.inc(hits)
 
-    def _record_prefix_cache_delta(self, engine: Any) -> None:
-        queries = getattr(engine.scheduler, "prefix_cache_queries", 0)
-        hits = getattr(engine.scheduler, "prefix_cache_hits", 0)
+    def _record_prefix_cache_delta(self, queries: int, hits: int) -> None:
         seen_queries, seen_hits = self._seen_prefix_cache
         if queries > seen_queries:
             self.record_prefix_cache(queries - seen_queries, hits - seen_hits)
@@ -154,7 +148,7 @@ class EngineStats:
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
 
-    def _maybe_log_engine(self, engine: Any, running: int, waiting: int) -> None:
+    def _maybe_log_engine(self, kv_usage: float, running: int, waiting: int) -> None:
         """Every log_interval seconds while there is work: throughput and occupancy, as vLLM logs them.
         """
         now = time.monotonic()
@@ -166,18 +160,12 @@ class EngineStats:
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
                 self._interval_prompt_tokens / elapsed, self._interval_generation_tokens / elapsed,
-                running, waiting, 100 * kv_cache_usage(engine))
+                running, waiting, 100 * kv_usage)
         self._start_interval(now)
 
     def _start_interval(self, now: float) -> None:
         self._interval_start = now
         self._interval_prompt_tokens = self._interval_generation_tokens = 0
-
-
-def kv_cache_usage(engine: Any) -> float:
-    """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
-    bm = engine.block_manager
-    return 1.0 - bm.num_free_blocks / bm.num_total_blocks if bm.num_total_blocks else 0.0
 
 
 def log_finished_request(out: RequestOutput, now: float) -> None:

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.model.tokenizer import Tokenizer
 
 MODES = ("static", "continuous")
 # pagedllm engine options that continuous batching takes too (same meaning, transformers' names in cb_config)
@@ -32,7 +32,7 @@ NO_EOS: list[int] = []  # generation stops only at max_new_tokens (pagedllm's ig
 
 
 class Request(Protocol):
-    """What a benchmark request must have (pagedllm.datasets.BenchRequest does)."""
+    """What a benchmark request must have (pagedllm.bench.datasets.BenchRequest does)."""
 
     prompt_token_ids: list[int]
     output_len: int
@@ -55,7 +55,7 @@ def load_hf_model(model: str | None, dtype: torch.dtype,
     architecture holding the weights our loader dequantized."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.loader import default_model_path, load_model
+    from pagedllm.model.loader import default_model_path, load_model
 
     path = default_model_path() if model is None else os.path.expanduser(model)
     if os.path.isdir(path):
@@ -150,7 +150,7 @@ def continuous_batching_config(config: EngineConfig, model_config, dtype: torch.
     psutil transformers cannot measure free memory and would size its cache from the whole machine's RAM.)"""
     from transformers import ContinuousBatchingConfig
 
-    from pagedllm.model_runner import kv_bytes_per_block
+    from pagedllm.model.model_runner import kv_bytes_per_block
 
     c = model_config
     shape = SimpleNamespace(num_hidden_layers=c.num_hidden_layers, num_key_value_heads=c.num_key_value_heads,

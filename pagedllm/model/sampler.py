@@ -131,8 +131,8 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # int64 [S], 1-based rank of the chosen token (only when logprobs are asked)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row of logits [S, V] (any float dtype; computed in float32).
+def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [S, V] (any float dtype; computed in float32); unseeded rows draw from `rng`.
 
     Logprobs (chosen and top-K) are those of the raw model output, log_softmax(logits) before penalties,
     temperature and truncation, as vLLM V1 returns by default ("raw_logprobs").
@@ -147,9 +147,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         token_ids = x.argmax(dim=-1)
     elif batch.all_random:
-        token_ids = _sample_random(x, batch)
+        token_ids = _sample_random(x, batch, rng)
     else:
-        token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch))
+        token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch, rng))
     return _logprobs(raw, token_ids, batch.num_logprobs)
 
 
@@ -174,7 +174,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None) -> torch.Tensor:
     """Temperature, truncation, then vLLM's exponential-race draw (argmax p/q, q ~ Exp(1)): each seeded row
     fills its q from its own generator, so its draw does not depend on the other rows. q is made as -log(U),
     U uniform: the same Exp(1) noise, but about 4x cheaper on CPU than Tensor.exponential_."""
@@ -189,7 +189,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = x.softmax(dim=-1)
     u = torch.empty_like(probs)
     if len(batch.generators) < batch.num_rows:
-        u.uniform_()
+        u.uniform_(generator=rng)
     for row, generator in batch.generators.items():
         u[row].uniform_(generator=generator)
     # U = 0 gives q = inf (the token loses); the clamp keeps q > 0, so a masked token never makes 0/0 = NaN.

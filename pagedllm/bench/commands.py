@@ -1,0 +1,12 @@
+"""The `pagedllm bench ...` command table: each benchmark module adds its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.bench import attention, latency, serve, sharing, throughput
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    for module in (throughput, sharing, serve, latency, attention):
+        module.add_command(sub)

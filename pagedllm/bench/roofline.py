@@ -1,0 +1,104 @@
+"""The machine's limit: peak matmul and memory speed, and what they allow a decode step or a whole workload (a
+roofline estimate that benchmarks print beside what they measured)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
+
+# Peak matmul GFLOP/s measured on this project's machine (2 vCPUs of an AMD EPYC, AVX512-BF16, no AMX): 2048^3.
+PEAK_GFLOPS = {"bfloat16": 390.0, "float32": 190.0}
+
+
+@dataclass
+class Machine:
+    peak_gflops: float  # matmul, in the model's dtype
+    mem_gbps: float  # memory bandwidth (bytes read + written per second)
+    measured: dict[str, float] | None = None  # what --measure-machine found
+
+
+def call_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int = 3) -> dict[str, float]:
+    """Best-of-`repeats` GFLOP/s of a size^3 matmul in bf16 and fp32, and GB/s of a large tensor copy
+    (read + write), with torch's current threads."""
+    def best(fn: Callable[[], object]) -> float:
+        return min(call_times(fn, repeats))
+
+    result = {}
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        result[f"{name}_gflops"] = round(2 * size ** 3 / best(lambda a=a, b=b: a @ b) / 1e9, 1)
+    src = torch.ones(copy_bytes // 4)
+    dst = torch.empty_like(src)
+    result["copy_gbps"] = round(2 * copy_bytes / best(lambda: dst.copy_(src)) / 1e9, 1)
+    return result
+
+
+def layer_params(config: Any) -> int:
+    """Weights of every layer's linear projections (qkv, o, gate_up, down): what a decode step reads besides the
+    lm_head."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    return config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+
+
+def weight_bytes(config: Any, dtype: torch.dtype, int4: bool) -> float:
+    """Bytes a step reads for the weights: the layers' in 4 bits plus a scale and min per group when the int4
+    kernel serves them, else in the dtype; the lm_head always in the dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_weight = Int4Weight.BYTES_PER_WEIGHT if int4 else elem
+    return layer_params(config) * per_weight + config.vocab_size * config.hidden_size * elem
+
+
+def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: float, machine: Machine,
+                 int4: bool = False) -> dict[str, float]:
+    """The fastest a decode step of `batch` sequences holding `context_tokens` tokens in all can run here: every
+    linear weight (lm_head included) read once or its FLOPs at peak, whichever is slower, plus the KV cache read.
+    `int4`: the engine has 4-bit layer weights, which it reads instead at up to INT4_MAX_ROWS rows."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    params = layer_params(config) + config.vocab_size * config.hidden_size
+    weights, flops = weight_bytes(config, dtype, int4 and batch <= INT4_MAX_ROWS), 2 * batch * params
+    kv_bytes = context_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+    linear_ms = 1e3 * max(weights / (machine.mem_gbps * 1e9), flops / (machine.peak_gflops * 1e9))
+    kv_ms = 1e3 * kv_bytes / (machine.mem_gbps * 1e9)
+    return {"weight_bytes": round(weights), "linear_flops": flops, "kv_bytes": round(kv_bytes),
+            "linear_ms": round(linear_ms, 4), "kv_ms": round(kv_ms, 4), "ms": round(linear_ms + kv_ms, 4),
+            "tokens_per_s": round(batch / (linear_ms + kv_ms) * 1e3, 1)}
+
+
+def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine,
+                   int4: bool = False) -> dict:
+    """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
+    linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
+    bandwidth; and never less than the longest output's decode steps, each reading every weight once (4-bit layer
+    weights with `int4`: the last steps run few sequences)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    layers, head = layer_params(config), config.vocab_size * config.hidden_size
+    prompt, output = sum(p for p, _ in requests), sum(o for _, o in requests)
+    flops = 2 * layers * (prompt + output) + 2 * head * output
+    kv_token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+    kv_read = sum(o * p + o * (o - 1) // 2 for p, o in requests) * kv_token_bytes  # context read per decode
+    compute_s = flops / (machine.peak_gflops * 1e9)
+    kv_s = kv_read / (machine.mem_gbps * 1e9)
+    steps_s = max((o for _, o in requests), default=0) * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
+    bound_s = max(compute_s + kv_s, steps_s)
+    return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "compute_s": round(compute_s, 2),
+            "kv_read_s": round(kv_s, 2), "longest_output_steps_s": round(steps_s, 2), "bound_s": round(bound_s, 2),
+            "output_tokens_per_s": round(output / bound_s, 1) if bound_s else None}

@@ -1,0 +1,45 @@
+"""A step's plan, as the scheduler hands it to the model runner: what runs, where its K/V go, which blocks to copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: a prompt chunk or one decode token, and the blocks it attends over."""
+
+    seq: Sequence
+    start: int  # tokens already in the cache when the step begins
+    num_new_tokens: int  # tokens whose K/V this step computes: a prompt chunk, or 1 for a decode
+    block_table: list[int]  # the sequence's physical blocks, logical order (read-only for the runner)
+    samplers: list[Sequence] = field(default_factory=list)  # draw their next token from this chunk's last position
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step; `copies` are copy-on-write (src, dst) blocks the runner copies before the forward."""
+
+    budget: int  # tokens still free in this step
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the sampler's rows."""
+        return [seq for s in self.scheduled for seq in s.samplers]

@@ -1,0 +1,164 @@
+"""Continuous batching over the paged KV cache: every step decides anew which sequence groups run and how many
+tokens each computes. The paper's baselines (static batching, contiguous reservations) are in baselines.py."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pagedllm.core.block_manager import BlockManager, Prefix, Write
+from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+Writes = list[tuple[Sequence, Write]]
+
+
+class Scheduler:
+    """FCFS over sequence groups: decodes first, then prompt chunks, under a token budget; when blocks run out the
+    newest group is preempted and recomputed later. A sequence without blocks starts after its longest cached prefix."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len or block_manager.num_total_blocks * block_manager.block_size
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.num_preemptions = 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(budget=self.max_num_batched_tokens)
+        for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
+            if out.budget == 0:
+                break
+            if group.status is SequenceStatus.RUNNING:  # not preempted earlier in this loop
+                writes = self._plan_writes(group, out.budget)
+                if self._make_room(group, writes, out):
+                    self._run(group, writes, out)
+        self._admit_waiting(out)
+        out.copies = self.block_manager.take_copies()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        """FCFS while seats, budget and free blocks last; nothing new joins a step that had to preempt."""
+        while out.budget > 0 and not out.preempted and self._seats_for_next():
+            group = self.waiting[0]
+            writes = self._plan_writes(group, out.budget)
+            if self._blocks_to_admit(group, writes) > self.block_manager.num_free_blocks:
+                break
+            self._admit(group)
+            self._run(group, writes, out)
+
+    def _plan_writes(self, group: SequenceGroup, budget: int) -> Writes:
+        """Each live sequence's next chunk within the budget; one without blocks starts after its cached prefix."""
+        writes = []
+        for seq in group.live_seqs:
+            prefix = Prefix()
+            if not self.block_manager.has_table(seq.seq_id):
+                prefix = self.block_manager.match_prefix(seq.token_ids)
+            start = len(prefix.blocks) * self.block_manager.block_size or seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if n == 0:
+                break
+            budget -= n
+            writes.append((seq, Write(seq.seq_id, start, start + n, prefix)))
+        return writes
+
+    def _make_room(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> bool:
+        """Preempt the newest running groups until `group` gets its blocks; False if `group` itself went."""
+        while self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is group:
+                return False
+        return True
+
+    def _run(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> None:
+        """Take the blocks (cached prefixes first, so taking new blocks cannot evict them); fork at the first sample."""
+        bm = self.block_manager
+        for seq, w in writes:
+            seq.status = SequenceStatus.RUNNING
+            if not bm.has_table(seq.seq_id):
+                bm.share_prefix(seq.seq_id, w.prefix, seq.num_tokens)
+                seq.num_computed_tokens = w.start
+        for seq, w in writes:
+            bm.allocate(seq.seq_id, w.end, w.start)
+            samplers = [seq] if w.end == seq.num_tokens else []
+            if samplers and group.unforked:
+                samplers += self._fork(group, seq)
+            out.scheduled.append(ScheduledSeq(seq, w.start, w.end - w.start, bm.block_table(seq.seq_id), samplers))
+            out.budget -= w.end - w.start
+
+    # ---- hooks the baselines override ----------------------------------------------------------------------------
+    def _seats_for_next(self) -> bool:
+        return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs
+
+    def _blocks_to_admit(self, group: SequenceGroup, writes: Writes) -> int:
+        """Free blocks a waiting group needs to start: those of its first chunk."""
+        return self.block_manager.blocks_needed([w for _, w in writes])
+
+    def _admit(self, group: SequenceGroup) -> None:
+        self.waiting.popleft()
+        group.status = SequenceStatus.RUNNING
+        self.running.append(group)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        """The n - 1 other samples share every block of the prefilled prompt."""
+        for child in group.unforked:
+            child.fork_from(parent)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+        children, group.forked = group.unforked, True
+        return children
+
+    # ---- the rest of a request's life ----------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.num_unfinished for g in self.running)
+
+    def seq_len_limit(self, n: int) -> int:
+        """Tokens per sample such that n samples fit in the pool even unshared, so a group alone always runs."""
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_total_blocks // n * bm.block_size)
+
+    def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Free the group's blocks and requeue it at the front; it recomputes its tokens when it returns."""
+        self.running.remove(group)
+        out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq in group.seqs)
+        out.scheduled = [s for s in out.scheduled if s.seq not in group.seqs]
+        for seq in group.seqs:
+            self.block_manager.free(seq.seq_id)
+            if not seq.is_finished:
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+                seq.num_preemptions += 1
+        if not any(s.output_token_ids for s in group.seqs):  # nothing sampled yet: prefill once and fork again
+            group.forked = len(group.seqs) == 1
+        group.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(group)
+        out.preempted.append(group)
+
+    def commit(self, plan: SchedulerOutput) -> None:
+        """After the model step: advance each sequence and register the blocks the step filled in the cache."""
+        for s in plan.scheduled:
+            for seq in s.samplers or [s.seq]:
+                seq.num_computed_tokens = s.end
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, s.end)
+
+    def finish(self, group: SequenceGroup) -> None:
+        """Give back the blocks of the group's finished sequences; drop the group once all of them are."""
+        for seq in group.seqs:
+            if seq.is_finished:
+                self.block_manager.free(seq.seq_id)
+        if not group.is_finished:
+            return
+        if group in self.running:
+            self.running.remove(group)
+        elif group in self.waiting:
+            self.waiting.remove(group)
