@@ -16,6 +16,7 @@ from pagedllm.bench.datasets import (
     describe,
     poisson_arrivals,
     sample_requests,
+    save_workload,
     synthetic_requests,
 )
 from pagedllm.model.tokenizer import Tokenizer
@@ -181,6 +182,20 @@ def test_sharegpt_conversations(tok, tmp_path):
     assert all(len(r.prompt_token_ids) + r.output_len <= 10 for r in clipped)
 
 
+def test_saved_workload_replays_the_same_requests(tok, tmp_path):
+    """--save-workload's JSONL of token ids reads back as the same requests, in the same order, whatever the seed."""
+    original = sample_requests("sharegpt", tok, 12, seed=3)
+    path = str(tmp_path / "workload.jsonl")
+    save_workload(original, path)
+    for seed in (0, 5):
+        replayed = sample_requests("file", tok, 12, seed=seed, dataset_path=path)
+        assert [(r.prompt_token_ids, r.output_len) for r in replayed] == [
+            (r.prompt_token_ids, r.output_len) for r in original]
+    with pytest.raises(ValueError, match="list of token ids"):
+        save_path = write_lines(tmp_path / "bad_ids.jsonl", [{"prompt_token_ids": [1, "x"], "output_len": 3}])
+        sample_requests("file", tok, 1, dataset_path=save_path)
+
+
 def test_file_errors(tok, tmp_path):
     def sample(lines, **kwargs):
         return sample_requests("file", tok, 2, dataset_path=write_lines(tmp_path / "bad.jsonl", lines), **kwargs)
@@ -191,7 +206,7 @@ def test_file_errors(tok, tmp_path):
         sample_requests("file", tok, 2, dataset_path=str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         sample([{"prompt": "ok"}, "{not json"])
-    with pytest.raises(ValueError, match='line 1: expected a "prompt" or a "conversations" key'):
+    with pytest.raises(ValueError, match='line 1: expected a "prompt", "prompt_token_ids" or "conversations" key'):
         sample([{"text": "hello"}])
     with pytest.raises(ValueError, match="expected a JSON object"):
         sample([["a list"]])

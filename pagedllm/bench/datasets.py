@@ -305,29 +305,33 @@ def shared_prefix_requests(tokenizer, num: int, prefix_len: int, output_mean: fl
 
 @dataclass
 class FileEntry:
-    prompt: str
+    prompt: str | None  # None when the file gives token ids
     output_len: int | None = None  # given by the file
     reply: str | None = None  # a ShareGPT conversation's first answer: the output length is its token count
+    prompt_token_ids: list[int] | None = None  # given by the file (as --save-workload writes them)
 
 
 def file_requests(tokenizer, path: str, num: int, seed: int, output_len: int | None,
                   max_model_len: int | None) -> list[BenchRequest]:
-    """Requests from a JSONL file (or a JSON array, as ShareGPT ships): `{"prompt": ..., "output_len": ...}`
-    (or "max_tokens") or ShareGPT `{"conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`. The seed
-    shuffles them; they cycle if fewer than `num`. Conversations without a human turn answered, and prompts longer
-    than the context, are skipped, as vLLM's ShareGPT sampler does."""
+    """Requests from a JSONL file (or a JSON array, as ShareGPT ships): `{"prompt": ..., "output_len": ...}` (or
+    "max_tokens"), `{"prompt_token_ids": [...], "output_len": ...}` (what --save-workload writes) or ShareGPT
+    `{"conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`. The seed shuffles them (a saved workload of
+    token ids replays in its own order, as another engine runs it); they cycle if fewer than `num`. Conversations without a human turn answered, and prompts longer than the context, are skipped, as
+    vLLM's ShareGPT sampler does."""
     entries = [e for e in read_entries(path) if e is not None]
-    random.Random(seed).shuffle(entries)
+    if not all(e.prompt_token_ids for e in entries):
+        random.Random(seed).shuffle(entries)
     requests: list[BenchRequest] = []
     for entry in entries:
-        ids = tokenizer.encode(entry.prompt)
+        ids = entry.prompt_token_ids or tokenizer.encode(entry.prompt)
+        prompt = entry.prompt if entry.prompt is not None else tokenizer.decode(ids)
         out = entry.output_len
         if out is None and entry.reply is not None:
             out = len(tokenizer.encode(entry.reply, add_special_tokens=False))
         out = out or output_len or FILE_OUTPUT_LEN
         if max_model_len is not None and len(ids) >= max_model_len:
             continue
-        requests.append(fit(BenchRequest(entry.prompt, ids, out), max_model_len, tokenizer))
+        requests.append(fit(BenchRequest(prompt, ids, out), max_model_len, tokenizer))
         if len(requests) == num:
             break
     if not requests:
@@ -366,13 +370,16 @@ def read_entries(path: str) -> list[FileEntry | None]:
 def parse_entry(obj, where: str) -> FileEntry | None:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if "prompt" in obj:
-        prompt, out = obj["prompt"], obj.get("output_len", obj.get("max_tokens"))
-        if not isinstance(prompt, str) or not prompt:
+    if "prompt" in obj or "prompt_token_ids" in obj:
+        prompt, ids, out = obj.get("prompt"), obj.get("prompt_token_ids"), obj.get("output_len", obj.get("max_tokens"))
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise ValueError(f'{where}: "prompt_token_ids" must be a non-empty list of token ids')
+        if ids is None and (not isinstance(prompt, str) or not prompt):
             raise ValueError(f'{where}: "prompt" must be a non-empty string')
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 1):
             raise ValueError(f'{where}: "output_len" / "max_tokens" must be a positive integer, got {out!r}')
-        return FileEntry(prompt, out)
+        return FileEntry(prompt if ids is None else None, out, prompt_token_ids=ids)
     if "conversations" in obj:
         turns = obj["conversations"]
         if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
@@ -383,7 +390,7 @@ def parse_entry(obj, where: str) -> FileEntry | None:
                 reply = next((v for r, v in roles[i + 1:] if r in ("gpt", "assistant")), None)
                 return FileEntry(prompt, reply=reply) if isinstance(reply, str) and reply else None
         return None
-    raise ValueError(f'{where}: expected a "prompt" or a "conversations" key')
+    raise ValueError(f'{where}: expected a "prompt", "prompt_token_ids" or "conversations" key')
 
 
 # ---- arrivals and statistics ------------------------------------------------------------------------------------
@@ -400,6 +407,14 @@ def poisson_arrivals(num: int, request_rate: float, seed: int = 0) -> list[float
         return [0.0] * num
     gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, max(0, num - 1))
     return [0.0, *np.cumsum(gaps).tolist()][:num]
+
+
+def save_workload(requests: Sequence[BenchRequest], path: str) -> None:
+    """The requests as JSONL `{"prompt_token_ids", "output_len"}`: the same workload for another engine (vLLM's
+    offline script, `pagedllm bench serve --dataset file`), with no tokenizer in between."""
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}) + "\n")
 
 
 def describe(requests: Sequence[BenchRequest]) -> dict:

@@ -14,6 +14,7 @@ from pagedllm.bench.datasets import (
     BenchRequest,
     describe,
     sample_requests,
+    save_workload,
 )
 from pagedllm.bench.hf_backend import add_hf_args
 from pagedllm.config import EngineConfig
@@ -30,6 +31,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     llm = LLM(**vars(config))
     load_s = time.perf_counter() - t_load
     requests = workload_requests(args, llm.get_tokenizer(), llm.engine.max_model_len)
+    if args.save_workload:
+        save_workload(requests, args.save_workload)
     workload = describe(requests)
     start = time.perf_counter()
     n_out = run_workload(llm, requests)
@@ -134,8 +137,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     tp = sub.add_parser("throughput", help="offline throughput: every request queued at once")
     tp.add_argument("--dataset", default="random", choices=DATASETS,
                     help="workload (pagedllm.bench.datasets); --seed picks its requests")
-    tp.add_argument("--dataset-path", default=None, help="file dataset: JSONL of {\"prompt\", \"output_len\"} "
-                                                         "or ShareGPT conversations")
+    tp.add_argument("--dataset-path", default=None, help="file dataset: JSONL of {\"prompt\" or "
+                    "\"prompt_token_ids\", \"output_len\"} or ShareGPT conversations")
     tp.add_argument("--num-prompts", type=int, default=100)
     tp.add_argument("--input-len", type=int, default=None,
                     help="mean prompt length in tokens (default: the dataset's; random 128, sharegpt 160, alpaca 19)")
@@ -147,6 +150,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--beam-width", type=int, default=4, help="beam-search dataset: beams per request")
     tp.add_argument("--prefix-len", type=int, default=200, help="shared-prefix dataset: tokens of the shared prefix")
     tp.add_argument("--output-json", default=None)
+    tp.add_argument("--save-workload", default=None, metavar="PATH", help="write the sampled requests as JSONL "
+                    '({"prompt_token_ids", "output_len"}), to run the same requests on another engine')
     EngineConfig.add_cli_args(tp)
     add_hf_args(tp)
     tp.set_defaults(func=cmd_throughput)
