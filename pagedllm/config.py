@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
-QUANTIZATION_MODES = ("auto", "none")
+QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -53,11 +53,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     # paged, or a contiguous reservation per sequence at admission, as the vLLM paper's Orca baselines
-    # (block_manager.reservation_tokens); the reservation policies share nothing, so they turn prefix caching off
+    # (core/baselines.py); the reservation policies share nothing, so they turn prefix caching off
     kv_policy: str = "paged"
     batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
-    # auto: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
-    # layers.INT4_MAX_ROWS rows, in bf16; none: every weight dequantized to the dtype
+    # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
+    # layers.INT4_MAX_ROWS rows, in bf16; w8a8: that, and int8 weights (per output row) with int8 activations (per
+    # token) for every other step; auto: w8a8 for a bf16 engine on a GGUF file with 4-bit weights, else none;
+    # none: every weight dequantized to the dtype
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -127,8 +129,9 @@ class EngineConfig:
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
         g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
-                       help="auto: a GGUF file's 4-bit weights serve small batches as stored (bf16 only); "
-                            "none: every weight dequantized")
+                       help="int4: a GGUF file's 4-bit weights serve small steps as stored (bf16 only); w8a8: that, "
+                            "and int8 weights and activations for every other step; auto: w8a8 for a bf16 engine on "
+                            "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")

@@ -9,6 +9,7 @@ from pagedllm.model import kernels
 from pagedllm.model.layers import (
     INT4_MAX_ROWS,
     Int4Weight,
+    Int8Weight,
     PackedWeight,
     RotaryEmbedding,
     add_rms_norm,
@@ -197,3 +198,32 @@ def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: b
     scale = scale.half().float() if fp16 else scale
     assert Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, ext) is (ok and ext.int4_linear_supported())
     assert not Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33, 100])
+def test_int8_matmul_is_the_quantized_product(ext, dtype: torch.dtype, rows: int) -> None:
+    """w8a8: the exact product of the int8 rows and weights, scaled back (so the only error is the quantisation),
+    which stays within a few hundredths of the float product for well-spread values."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x, bias = torch.randn(48, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(48)
+    weight = Int8Weight(w.to(dtype), ext)
+    out = weight.mm(x.to(dtype), bias.to(dtype))
+    assert out.dtype == dtype and out.shape == (rows, 48)
+    xs = x.to(dtype).float().abs().amax(1, keepdim=True) / 127
+    xq = (x.to(dtype).float() / xs).round()
+    wq = weight.q_t.t().float()
+    exact = (xq @ wq.T) * xs * weight.scale + bias.to(dtype).float()
+    step = 1e-5 if dtype == torch.float32 else 2 ** -7  # the output's rounding
+    torch.testing.assert_close(out.float(), exact, rtol=step, atol=step * exact.abs().max().item())
+    rel = ((out.float() - (x @ w.T + bias)).norm() / (x @ w.T).norm()).item()
+    assert rel < 0.03
+
+
+def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:
+    """A PackedWeight with an int8 form answers with it for every batch the int4 kernel does not take."""
+    other = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    weight = PackedWeight(other, None, Int8Weight(other * 2, ext))  # a different weight shows who answered
+    x = torch.randn(INT4_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(2))
+    out, ref = linear(x, weight), x @ (other * 2).T
+    assert ((out - ref).norm() / ref.norm()).item() < 0.03  # the int8 weight answered: the plain one is 2x off

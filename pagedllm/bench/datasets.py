@@ -316,8 +316,9 @@ def file_requests(tokenizer, path: str, num: int, seed: int, output_len: int | N
     """Requests from a JSONL file (or a JSON array, as ShareGPT ships): `{"prompt": ..., "output_len": ...}` (or
     "max_tokens"), `{"prompt_token_ids": [...], "output_len": ...}` (what --save-workload writes) or ShareGPT
     `{"conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`. The seed shuffles them (a saved workload of
-    token ids replays in its own order, as another engine runs it); they cycle if fewer than `num`. Conversations without a human turn answered, and prompts longer than the context, are skipped, as
-    vLLM's ShareGPT sampler does."""
+    token ids replays in its own order, as another engine runs it); they cycle if fewer than `num`. Conversations
+    without a human turn answered, and prompts longer than the context, are skipped, as vLLM's ShareGPT sampler
+    does."""
     entries = [e for e in read_entries(path) if e is not None]
     if not all(e.prompt_token_ids for e in entries):
         random.Random(seed).shuffle(entries)

@@ -49,15 +49,34 @@ class Int4Weight:
         return self.ext.int4_linear(x.contiguous(), self.packed, self.scales, self.mins)
 
 
+class Int8Weight:
+    """A weight in int8, one scale per output row (w8a8): activations are quantised per row (token) on the fly and
+    the product runs in int8 (oneDNN's VNNI path; about 2x bf16's GEMM rate on AVX512-VNNI without AMX), then scaled
+    back in one pass (csrc/int8_linear.cpp). Numerics change beyond bf16 rounding: opt-in, or by default where the
+    accuracy gate passes (docs/performance.md)."""
+
+    def __init__(self, plain: torch.Tensor, ext: ModuleType) -> None:
+        w = plain.float()
+        self.scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).contiguous()
+        self.q_t = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).t()  # [in, out] view
+        self.ext = ext
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        q, scale = self.ext.quantize_rows_int8(x.contiguous())
+        return self.ext.dequantize_int32(torch._int_mm(q, self.q_t), scale, self.scale, bias, x.dtype)
+
+
 class PackedWeight:
     """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
     repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
     (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
-    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows."""
+    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows; an int8 form, when given,
+    serves every other batch."""
 
-    def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None) -> None:
+    def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.int4 = int4
+        self.int8 = int8
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -73,6 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
         if weight.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             out = weight.int4.mm(x)
             return out if bias is None else out.add_(bias)
+        if weight.int8 is not None:
+            return weight.int8.mm(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

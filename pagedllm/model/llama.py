@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from pagedllm.model import kernels
 from pagedllm.model.attention import paged_attention, write_kv
-from pagedllm.model.layers import Int4Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
+from pagedllm.model.layers import Int4Weight, Int8Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
 from pagedllm.model.loader import ModelConfig, Q4Weight
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
@@ -44,7 +45,8 @@ class LlamaModel:
     """Weights held as plain tensors; forward is a function of the batch and the KV cache, nothing else."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None) -> None:
+                 attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
+                 int8: Collection[str] = ()) -> None:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -55,9 +57,11 @@ class LlamaModel:
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
         # The C++ kernels (fused norm/rotary/SwiGLU, int4 matmul), except on the reference path (the torch oracle).
         self.ext = kernels.load() if attention_backend != "reference" else None
+        # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
+        self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
-        self.lm_head_weight = PackedWeight(self.lm_head) if self.pack else self.lm_head
+        self.lm_head_weight = self._packed(self.lm_head, "lm_head") if self.pack else self.lm_head
         self.norm = w["model.norm.weight"]
         q4 = q4_weights or {}  # a GGUF file's 4-bit weights, packed below for small batches (not kept as they are)
         self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
@@ -69,25 +73,28 @@ class LlamaModel:
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         return DecoderLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv_weight=self._weight(w, q4, [n + ".weight" for n in qkv]),
+            qkv_weight=self._weight(w, q4, [n + ".weight" for n in qkv], "qkv"),
             qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
-            o_weight=self._weight(w, q4, [p + "self_attn.o_proj.weight"]),
+            o_weight=self._weight(w, q4, [p + "self_attn.o_proj.weight"], "o"),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up_weight=self._weight(w, q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down_weight=self._weight(w, q4, [p + "mlp.down_proj.weight"]),
+            gate_up_weight=self._weight(w, q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "gate_up"),
+            down_weight=self._weight(w, q4, [p + "mlp.down_proj.weight"], "down"),
         )
 
-    def _weight(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], names: list[str]) -> Weight:
+    def _weight(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], names: list[str], kind: str) -> Weight:
         """The named weights stacked by rows into one matmul: packed for oneDNN, with their 4-bit form when the
         checkpoint has one for each; plain torch on the reference path."""
         plain = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]].contiguous()
         if not self.pack:
             return plain
         if not all(n in q4 for n in names):
-            return PackedWeight(plain)
+            return self._packed(plain, kind)
         q, scale, min_ = (torch.cat([getattr(q4[n], f) for n in names]) for f in ("q", "scale", "min"))
         available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
-        return PackedWeight(plain, Int4Weight(q, scale, min_, self.ext) if available else None)
+        return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext) if available else None)
+
+    def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
+        return PackedWeight(plain, int4, Int8Weight(plain, self.ext) if kind in self.int8 else None)
 
     @property
     def num_int4_matmuls(self) -> int:

@@ -21,6 +21,13 @@ from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
 
+INT8_MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")  # --quantization w8a8
+# --quantization auto on a GGUF file with 4-bit weights: the matmuls whose int8 form passes the accuracy gate on the
+# default model with room to spare (`pagedllm bench accuracy`): the lm_head, whose top candidates are rescored in
+# fp32 anyway. With per-token activation scales the others miss it: o_proj by a hair, qkv / gate_up / down by
+# 2.5-3x, SmoothQuant-calibrated too (docs/performance.md).
+INT8_DEFAULT = ("lm_head",)
+
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer of one block."""
@@ -52,18 +59,21 @@ class ModelRunner:
         the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
         torch.set_num_threads(config.num_threads)
         dtype = getattr(torch, config.torch_dtype_name)
-        keep_4bit = config.quantization == "auto" and config.attention_backend != "reference"
+        keep_4bit = config.quantization != "none" and config.attention_backend != "reference"
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
+        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (
+            config.quantization == "auto" and loaded.q4_weights) else ()
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
             loaded.config, config.block_size, dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights)
+        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
-        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows), %d KV blocks of "
-                    "%d tokens", loaded.name, config.torch_dtype_name, model.num_int4_matmuls, INT4_MAX_ROWS,
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
+                    "%d KV blocks of %d tokens", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
+                    INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size)
         return cls(model, num_blocks, config.block_size, eos, config.seed), loaded.tokenizer, loaded.name
 
