@@ -23,8 +23,7 @@ GATE_AGREEMENT = 0.95
 GATE_ERROR_RATIO = 1.25
 DEFAULT_VARIANTS = {"bf16": dict(dtype="bfloat16", quantization="none"),
                     "bf16 + int4 small steps": dict(dtype="bfloat16", quantization="int4"),
-                    "default (auto)": dict(dtype="bfloat16", quantization="auto"),
-                    "w8a8": dict(dtype="bfloat16", quantization="w8a8")}
+                    "default (auto)": dict(dtype="bfloat16", quantization="auto")}
 
 
 @dataclass

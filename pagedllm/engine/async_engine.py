@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pagedllm.outputs import RequestOutput
@@ -22,13 +22,11 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped, or is restarting: the request was not served; retry it."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed on this request alone (its step raised with it and not without it)."""
+    """The engine loop has stopped: no request can be served any more."""
 
 
 class QueueFullError(RuntimeError):
@@ -86,14 +84,11 @@ class AsyncLLMEngine:
     """Runs `engine.step()` in one thread; `add_request` (from the event loop) returns a RequestStream."""
 
     def __init__(self, engine: Any, max_waiting_requests: int = 256,
-                 observer: StepObserver | None = None, engine_factory: Callable[[], Any] | None = None) -> None:
+                 observer: StepObserver | None = None) -> None:
         self.engine = engine
-        self.engine_factory = engine_factory  # builds a fresh engine when this one is broken beyond a request
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self.dead_error: BaseException | None = None
-        self.restarting = False
-        self.num_restarts = 0
         self.num_running = 0  # published by the loop thread after every step, read by the event loop
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -101,6 +96,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._step_failures = 0
 
     # ---- event-loop side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,8 +130,7 @@ class AsyncLLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        return (self.dead_error is None and not self.restarting and self._thread is not None
-                and self._thread.is_alive())
+        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
     @property
     def num_waiting(self) -> int:
@@ -143,8 +138,6 @@ class AsyncLLMEngine:
         return max(0, len(self._streams) - self.num_running)
 
     def check_alive(self) -> None:
-        if self.restarting:
-            raise EngineDeadError("the engine is restarting after an internal error; retry shortly")
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
 
@@ -193,17 +186,13 @@ class AsyncLLMEngine:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # cancelled meanwhile
-            if isinstance(item, RequestOutput) and any(c.finish_reason == "error" for c in item.outputs):
-                reason = next(c.stop_reason for c in item.outputs if c.finish_reason == "error")
-                item = RequestFailedError(f"the engine failed on this request: {reason}")
             stream.put(item)
             if isinstance(item, BaseException) or item.finished:  # no longer in flight, even if unread
                 self._forget(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
-            stream.put(error if isinstance(error, EngineDeadError) else
-                       EngineDeadError(f"the engine loop has stopped: {error!r}"))
+            stream.put(EngineDeadError(f"the engine loop has stopped: {error!r}"))
         self._streams.clear()
 
     # ---- loop thread ------------------------------------------------------------------------------------
@@ -254,38 +243,28 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # the engine isolates a bad request itself: what escapes broke the engine
-            self._recover(e)
+        except Exception as e:
+            self._fail_step(e)
             return
+        self._step_failures = 0
         self.num_running = self.engine.num_running
         self._observe(outputs)
         if outputs:
             self._post(self._deliver, [(out.request_id, out) for out in outputs])
 
-    def _recover(self, error: Exception) -> None:
-        """Replace a broken engine with a fresh one; the requests in flight end with a 503 that says to retry. With
-        no way to build one, fail what was running and go on if the engine is still consistent, else die."""
-        if self.engine_factory is None:
-            aborted = self.engine.fail_running()
-            logger.exception("engine step failed; failing its %d running requests", len(aborted))
-            self.num_running = self.engine.num_running
-            self._observe(aborted)
-            self.engine.check_invariants()  # raises if the block pool is inconsistent: the loop dies
-            failure = RequestFailedError(f"the engine failed on this request: {error}")
-            self._post(self._deliver, [(out.request_id, failure) for out in aborted])
-            return
-        logger.error("the engine is broken (%r); restarting it", error, exc_info=error)
-        self.restarting = True
-        self._post(self._fail_all, EngineDeadError("the engine is restarting after an internal error; retry"))
-        while not self._commands.empty():  # adds that raced in are failed with the rest: they must not run
-            self._commands.get_nowait()
-        self.engine = self.engine_factory()
-        self.num_restarts += 1
-        self.num_running = 0
-        self.restarting = False
-        logger.warning("engine restarted (%d so far)", self.num_restarts)
-        if self.observer is not None and hasattr(self.observer, "record_restart"):
-            self.observer.record_restart()
+    def _fail_step(self, error: Exception) -> None:
+        """A failed step fails the requests that ran in it, not the engine (unless the engine is broken)."""
+        aborted = self.engine.fail_running()
+        victims = [out.request_id for out in aborted]
+        logger.exception("engine step failed; failing its %d running requests", len(victims))
+        self.num_running = self.engine.num_running
+        self._observe(aborted)
+        self._step_failures += 1
+        self.engine.check_invariants()  # raises if the failure left the block pool inconsistent: loop dies
+        if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self._step_failures} engine steps failed in a row") from error
+        failure = RuntimeError(f"the engine failed on this request: {error}")
+        self._post(self._deliver, [(r, failure) for r in victims])
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         if self.observer is None:

@@ -11,9 +11,7 @@ from dataclasses import asdict, dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.kv_stats import KVUsage
-from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
-from pagedllm.engine.isolation import failing_requests, without_requests
 from pagedllm.engine.step_timers import StepTimers
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
@@ -136,14 +134,6 @@ class LLMEngine:
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
         group = SequenceGroup.make(seq)
-        if params.seed is not None:
-            try:
-                for s in group.seqs:
-                    self.runner.add_generator(s.seq_id, params.seed + s.index)
-            except (ValueError, RuntimeError, OverflowError) as e:
-                for s in group.seqs:
-                    self.runner.release(s.seq_id)
-                raise InvalidRequestError(f"seed {params.seed} cannot seed a generator: {e}") from None
         self.groups[request_id] = group
         for s in group.seqs:
             self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -227,43 +217,16 @@ class LLMEngine:
         now = time.time()
         for s in plan.scheduled:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        plan, sampled, failed = self._execute(plan)
+        sampled = self.runner.execute(plan)
         self.scheduler.commit(plan)
         self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         outputs = self._process_outputs(plan.sampling_seqs, sampled) if sampled is not None else []
-        outputs += failed
         if self.observers:
             record = StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
                                 outputs)
             for observer in self.observers:
                 observer(record)
         return outputs
-
-    def _execute(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput | None, list[RequestOutput]]:
-        """Run the plan. If the model step raises, the requests that make it raise fail alone (finish reason
-        "error") and the step runs again without them; an error the survivors still hit escapes: the engine is
-        broken, and its owner replaces it."""
-        try:
-            return plan, self.runner.execute(plan), []
-        except Exception as error:
-            culprits = failing_requests(self.runner, plan)
-            logger.exception("a step failed; failing the %d request(s) that make it fail: %s", len(culprits),
-                             ", ".join(culprits))
-            if not culprits:
-                raise
-            failed = [out for rid in culprits if (out := self._fail_request(rid, error)) is not None]
-            plan = without_requests(plan, set(culprits))
-            return plan, self.runner.execute(plan) if not plan.is_empty else None, failed
-
-    def _fail_request(self, request_id: str, error: Exception) -> RequestOutput | None:
-        group = self.groups.get(request_id)
-        if group is None:
-            return None
-        for seq in group.seqs:
-            if not seq.is_finished:
-                seq.finish("error", f"{type(error).__name__}: {error}")
-        self._release_finished(group)
-        return self._output(group)
 
     def _process_outputs(self, sampling: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         touched: dict[str, SequenceGroup] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Collection, Hashable
 from itertools import chain
 
 import numpy as np
@@ -20,10 +20,6 @@ from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample, sample_
 from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
-
-# A test seam, never set in production: called with each plan before the model runs, it may raise to simulate a
-# step that fails for some request (tests/test_reliability.py).
-fault_injection: Callable[[SchedulerOutput], None] | None = None
 
 INT8_MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")  # --quantization w8a8
 # --quantization auto on a GGUF file with 4-bit weights: the matmuls whose int8 form passes the accuracy gate on the
@@ -116,8 +112,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> SamplerOutput | None:
         """One model step; returns the tokens of the sequences that sample, in plan order (None if none do)."""
-        if fault_injection is not None:
-            fault_injection(plan)
         self.copy_blocks(plan.copies)
         input_ids, positions, meta, logit_rows = self.prepare(plan)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -140,24 +134,15 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def add_generator(self, seq_id: Hashable, seed: int) -> None:
-        """A seeded sequence's own generator, made when its request is added, so that a seed torch cannot take fails
-        that request there, not a step. Sample i of a request is seeded `seed + i`: its draws do not depend on its
-        batch-mates and the n samples differ."""
-        self.generators[seq_id] = torch.Generator().manual_seed(seed)
-
-    def rng_state(self) -> dict[Hashable, torch.Tensor]:
-        """Every random generator's state, to put back after trial steps (failure isolation)."""
-        return {key: gen.get_state() for key, gen in [(None, self.rng), *self.generators.items()]}
-
-    def set_rng_state(self, state: dict[Hashable, torch.Tensor]) -> None:
-        for key, value in state.items():
-            gen = self.rng if key is None else self.generators.get(key)
-            if gen is not None:
-                gen.set_state(value)
-
     def _generator(self, seq: Sequence) -> torch.Generator | None:
-        return self.generators.get(seq.seq_id)
+        """A seeded sequence draws from its own generator, seeded `seed + index` for the index-th of n samples,
+        so its samples do not depend on its batch-mates and the n samples differ."""
+        seed = seq.params.seed
+        if seed is None:
+            return None
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator().manual_seed(seed + seq.index)
+        return self.generators[seq.seq_id]
 
     def release(self, seq_id: Hashable) -> None:
         self.generators.pop(seq_id, None)

@@ -18,8 +18,6 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pagedllm.errors import InvalidRequestError
-
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 
@@ -75,7 +73,6 @@ class Tokenizer:
         add_bos: bool,
     ) -> None:
         self.backend = backend
-        self._max_token_chars: int | None = None
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -200,23 +197,8 @@ class Tokenizer:
     # -- use -----------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens in the text are matched whole. BOS added if the model wants.
-        Text that is not valid Unicode (a lone surrogate, which JSON can carry) is the caller's error."""
-        try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:
-            if isinstance(text, str) and not _encodable(text):
-                raise InvalidRequestError("the text is not valid Unicode (it holds a lone surrogate)") from None
-            raise
-
-    @property
-    def max_token_chars(self) -> int:
-        """The longest token's text, in characters: a text of n characters has at least n / this many tokens."""
-        if self._max_token_chars is None:
-            vocab = self.backend.get_vocab()
-            self._max_token_chars = max(len(self.backend.decode([i], skip_special_tokens=False))
-                                        for i in vocab.values())
-        return self._max_token_chars
+        """Token ids of `text`; special tokens in the text are matched whole. BOS added if the model wants."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
@@ -467,11 +449,3 @@ def read_json(path: str) -> dict | None:
 
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

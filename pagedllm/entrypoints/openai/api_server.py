@@ -14,7 +14,7 @@ import hmac
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
@@ -69,8 +69,6 @@ logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 T = TypeVar("T")
 MAX_N = 128
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
-OFF_LOOP_CHARS = 20_000  # text longer than this is tokenised in a worker thread (~10 ms of tokenizer work)
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 # ---- errors ----------------------------------------------------------------------------------------------
@@ -95,7 +93,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "server_error", code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "server_error", code="engine_dead", headers={"Retry-After": "5"})
+        return APIError(503, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     logger.error("request failed", exc_info=exc)
@@ -172,63 +170,13 @@ class ApiKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
 
-class RequestLimitsMiddleware:
-    """Bounded work per request before it reaches a route: a body over `max_bytes` is refused with 413 (by its
-    Content-Length, or counted as it arrives), and a body that trickles in with more than `body_timeout` seconds
-    between chunks gets 408, so a slow or huge upload holds a connection, never the event loop or the engine."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout: float) -> None:
-        self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
-            return
-        received, done = 0, False
-
-        async def limited_receive() -> Message:
-            nonlocal received, done
-            if done:  # the body is in: later receives wait for the disconnect, as long as the request lives
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
-            except TimeoutError:
-                raise StarletteHTTPException(408, f"the request body stalled for {self.body_timeout:g} s") from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                done = not message.get("more_body", False)
-                if received > self.max_bytes:
-                    raise StarletteHTTPException(413, self._too_large().info.message)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)",
-                        code="request_too_large")
-
-
 # ---- the server's state ----------------------------------------------------------------------------------
-@dataclass
-class ServerLimits:
-    """What one client may cost the server: body size, seconds a body may stall, seconds a stream may go unread."""
-
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    body_timeout: float = 30.0
-    send_timeout: float = 30.0
-
-
 @dataclass
 class ServerContext:
     engine: AsyncLLMEngine
     stats: EngineStats
     model_names: list[str]
     model_path: str | None
-    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     @property
     def tokenizer(self) -> Any:
@@ -243,21 +191,9 @@ class ServerContext:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or self.model_names[0]
 
-    def check_text_length(self, chars: int, param: str) -> None:
-        """Refuse, before tokenising, text with more characters than max_model_len tokens can ever hold."""
-        limit = self.max_model_len * self.engine.tokenizer.max_token_chars
-        if chars > limit:
-            raise APIError(400, f"the {param} has {chars} characters: more than {self.max_model_len} tokens can hold "
-                           f"(max_model_len)", param=param, code="context_length_exceeded")
-
-    async def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids checked against vocabulary and context (read-only engine use: safe off its thread). Long text
-        is tokenised in a worker thread (the tokenizer releases the GIL), so the event loop keeps serving."""
+    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids checked against vocabulary and context (read-only engine use: safe off its thread)."""
         try:
-            if isinstance(prompt, str):
-                self.check_text_length(len(prompt), param)
-                if len(prompt) > OFF_LOOP_CHARS:
-                    return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
             return self.engine.tokenize_prompt(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
@@ -397,28 +333,15 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class SSEResponse(StreamingResponse):
-    """An event stream that aborts its requests however it ends (client gone before the first chunk too). A client
-    that stops reading stalls our writes once its socket buffer is full; after `send_timeout` seconds of that its
-    requests are aborted, so it holds no engine resources."""
+    """An event stream that aborts its requests however it ends (client gone before the first chunk too)."""
 
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], send_timeout: float) -> None:
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.streams = streams
-        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def timed_send(message: Message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.send_timeout)
-            except TimeoutError:
-                logger.warning("a client read nothing for %g s; aborting its stream", self.send_timeout)
-                cancel_all(self.streams)
-                raise
-
         try:
-            await super().__call__(scope, receive, timed_send)
-        except TimeoutError:
-            pass  # the client stopped reading: nothing more can reach it
+            await super().__call__(scope, receive, send)
         finally:
             cancel_all(self.streams)
 
@@ -485,11 +408,11 @@ def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
 router = APIRouter()
 
 
-async def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str) or not p or isinstance(p[0], int):
-        return [await ctx.tokenize(p, "prompt")]  # type: ignore[arg-type]
-    return [await ctx.tokenize(x, "prompt") for x in p]  # type: ignore[arg-type]
+        return [ctx.tokenize(p, "prompt")]  # type: ignore[arg-type]
+    return [ctx.tokenize(x, "prompt") for x in p]  # type: ignore[arg-type]
 
 
 @router.post("/v1/completions")
@@ -501,7 +424,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    prompts = await completion_prompts(ctx, req)
+    prompts = completion_prompts(ctx, req)
     for ids in prompts:
         ctx.check_fits(len(ids), req.max_tokens)
     echoes = [ctx.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
@@ -509,8 +432,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, prompts, params, req.n)
     if req.stream:
-        return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams,
-                           ctx.limits.send_timeout)
+        return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams)
     finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
@@ -578,20 +500,14 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return d
 
 
-async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The conversation through the model's chat template, as token ids (no second BOS); a long one off the loop."""
-    chars = sum(len(m.content) if isinstance(m.content, str) else len(str(m.content or "")) for m in messages)
-    ctx.check_text_length(chars, "messages")
-
-    def render() -> list[int]:
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The conversation through the model's chat template, as token ids (no second BOS)."""
+    try:
         text = ctx.tokenizer.apply_chat_template([message_dict(m) for m in messages],
                                                  add_generation_prompt=add_generation_prompt)
-        return ctx.tokenizer.encode(text, add_special_tokens=False)
-
-    try:
-        return await asyncio.to_thread(render) if chars > OFF_LOOP_CHARS else render()
-    except (ValueError, jinja2.TemplateError) as e:  # InvalidRequestError (text that is not Unicode) included
+    except (ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -610,14 +526,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
     params = sampling_params(req, max_tokens, top_n)
-    prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt), "messages")
+    prompt = ctx.tokenize(render_chat(ctx, req.messages, req.add_generation_prompt), "messages")
     ctx.check_fits(len(prompt), max_tokens)
     request_id = random_id("chatcmpl")
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, [prompt], params, req.n)
     if req.stream:
-        events = chat_events(req, request_id, model, prompt, top_n, streams)
-        return SSEResponse(events, streams, ctx.limits.send_timeout)
+        return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams)
     finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
@@ -670,9 +585,6 @@ async def list_models(raw: Request) -> Response:
 @router.get("/health")
 async def health(raw: Request) -> Response:
     engine = server_of(raw).engine
-    if engine.restarting:
-        raise APIError(503, "the engine is restarting", "server_error", code="engine_restarting",
-                       headers={"Retry-After": "5"})
     if not engine.is_alive:
         raise APIError(503, f"the engine loop has stopped: {engine.dead_error!r}", "server_error",
                        code="engine_dead")
@@ -697,13 +609,9 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
     if req.messages is not None:
-        ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
+        ids = render_chat(ctx, req.messages, req.add_generation_prompt)
     else:
-        ctx.check_text_length(len(req.prompt), "prompt")
-        try:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return json_response(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
 
 
@@ -720,12 +628,10 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
 # ---- app and command -------------------------------------------------------------------------------------
 def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
               max_waiting_requests: int = 256, log_interval: float = 5.0,
-              model_path: str | None = None, limits: ServerLimits | None = None,
-              engine_factory: Callable[[], Any] | None = None) -> FastAPI:
-    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app.
-    `engine_factory` builds a fresh engine should this one break (without it, a broken engine stays down)."""
+              model_path: str | None = None) -> FastAPI:
+    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats, engine_factory=engine_factory)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -736,12 +642,10 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
             async_engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    limits = limits or ServerLimits()
-    app.state.server = ServerContext(async_engine, stats, model_names, model_path, limits)
+    app.state.server = ServerContext(async_engine, stats, model_names, model_path)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(RequestLimitsMiddleware, max_bytes=limits.max_request_bytes, body_timeout=limits.body_timeout)
     app.include_router(router)
     return app
 
@@ -758,10 +662,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="name(s) clients use for the model (default: --model as given)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests queued beyond this get 503 with Retry-After")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="request bodies beyond this get 413")
-    g.add_argument("--request-timeout", type=float, default=30.0,
-                   help="seconds a request body may stall, and a stream may go unread, before the request is dropped")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
     g.add_argument("--uvicorn-log-level", default="info",
@@ -777,20 +677,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be positive, got {args.max_waiting_requests}")
-    if args.max_request_bytes < 1 or args.request_timeout <= 0:
-        raise ValueError("--max-request-bytes and --request-timeout must be positive")
     loggers = {"pagedllm.requests": args.disable_log_requests, "pagedllm.stats": args.disable_log_stats}
     for name, disabled in loggers.items():
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
     if logging.getLogger().level > logging.INFO:  # a server reports its model and KV cache at start
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(config)
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
     names = args.served_model_name or [args.model or engine.model_name]
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_waiting_requests=args.max_waiting_requests,
-                    model_path=args.model or engine.model_name,
-                    limits=ServerLimits(args.max_request_bytes, args.request_timeout, args.request_timeout),
-                    engine_factory=lambda: LLMEngine(config))
+                    model_path=args.model or engine.model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -64,7 +64,6 @@ class EngineStats:
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.engine_restarts = counter("engine_restarts", "Times a broken engine was replaced by a fresh one.")
         self._request_success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -106,12 +105,6 @@ class EngineStats:
             self._seen_preemptions = stats.preemptions
         self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
         self._maybe_log_engine(stats.kv_cache_usage, running, waiting)
-
-    def record_restart(self) -> None:
-        """The engine was replaced: its counters start again from zero."""
-        self.engine_restarts.inc()
-        self._seen_preemptions = 0
-        self._seen_prefix_cache = (0, 0)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""

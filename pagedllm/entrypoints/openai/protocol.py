@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -82,20 +82,12 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A message of the conversation; extra keys (tool calls, names) go to the chat template untouched. As in the
-    OpenAI API, the role is one it knows, and only an assistant message (which may carry tool calls instead) may
-    come without content."""
+    """A message of the conversation; extra keys (tool calls, names) go to the chat template untouched."""
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: str
     content: str | list[TextPart] | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
