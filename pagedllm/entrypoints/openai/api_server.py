@@ -44,8 +44,8 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_STREAM_SEND_TIMEOUT,
     OFF_LOOP_CHARS,
     OFF_LOOP_TOKENS,
-    BodyTimeoutMiddleware,
     ClientTooSlow,
+    RequestLimitMiddleware,
     WorkerPool,
     timed_send,
 )
@@ -703,12 +703,12 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
             async_engine.shutdown()
             workers.shutdown()
 
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, max_body_size=max_request_bytes)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.server = ServerContext(async_engine, stats, model_names, model_path, workers, stream_send_timeout)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyTimeoutMiddleware, timeout=body_timeout)
+    app.add_middleware(RequestLimitMiddleware, max_bytes=max_request_bytes, timeout=body_timeout)
     app.include_router(router)
     return app
 

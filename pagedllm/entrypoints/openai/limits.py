@@ -1,6 +1,6 @@
-"""Limits that keep one client from holding the server: the time to receive a request body (an ASGI middleware;
-its size is FastAPI's `max_body_size`), the time a stream may wait for its client to read, and a small thread pool
-for the work that grows with a request (tokenizing and rendering long prompts), off the event loop.
+"""Limits that keep one client from holding the server: the size of a request body and the time to receive it (an
+ASGI middleware, before FastAPI parses anything), the time a stream may wait for its client to read, and a small
+thread pool for the work that grows with a request (tokenizing and rendering long prompts), off the event loop.
 
 uvicorn holds a connection's headers to 16 KiB (h11's limit) and closes idle keep-alive connections after
 --timeout-keep-alive; a client that sends its headers slowly holds one socket and no engine resource.
@@ -27,42 +27,62 @@ OFF_LOOP_CHARS = 8192  # longer prompts are tokenized (and chats rendered) in th
 OFF_LOOP_TOKENS = 8192
 
 
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes (--max-request-bytes)")
+
+
 class BodyTimeout(HTTPException):
     def __init__(self, timeout: float) -> None:
         super().__init__(408, f"the request body did not arrive within {timeout:g} s")
 
 
-class BodyTimeoutMiddleware:
-    """408 when a request's whole body takes longer than `timeout` seconds to arrive (a client that sends it byte by
-    byte); FastAPI re-raises the HTTPException as it is. The size limit is FastAPI's own (`max_body_size`: 413)."""
+class RequestLimitMiddleware:
+    """413 for a body over `max_bytes` (by its Content-Length before a byte is read, else by counting what arrives),
+    408 when the whole body takes longer than `timeout` seconds to arrive (a client sending it byte by byte). FastAPI
+    re-raises these HTTPExceptions as they are, so the client gets OpenAI's error body (FastAPI's own max_body_size
+    answers a declared oversize body in plain text)."""
 
-    def __init__(self, app: ASGIApp, timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.app = app
+        self.max_bytes = max_bytes
         self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        await self.app(scope, self._timed(receive), send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0").strip()
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.app(scope, self._refuse, send)  # the route's first receive raises: nothing is read
+            return
+        await self.app(scope, self._limited(receive), send)
 
-    def _timed(self, receive: Receive) -> Receive:
+    async def _refuse(self) -> Message:
+        raise BodyTooLarge(self.max_bytes)
+
+    def _limited(self, receive: Receive) -> Receive:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
+        received = 0
         done = False
 
-        async def timed_receive() -> Message:
-            nonlocal done
+        async def limited_receive() -> Message:
+            nonlocal received, done
             if done:  # the body is in: later receives wait for a disconnect, without a deadline
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise BodyTimeout(self.timeout) from None
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
             done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        return timed_receive
+        return limited_receive
 
 
 class ClientTooSlow(Exception):
