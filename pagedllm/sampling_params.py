@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from pagedllm.errors import InvalidRequestError
 
+SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator.manual_seed takes [-2**63, 2**64); sample i draws seed + i
+
 
 @dataclass
 class SamplingParams:
@@ -47,6 +49,8 @@ class SamplingParams:
         """Reject values that make no sense before they reach the scheduler."""
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}"),
             (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),

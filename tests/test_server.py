@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.serve import ServerProcess as Server
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineRestartingError
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -380,9 +380,10 @@ def test_api_key(small_server: Server) -> None:
 # ---- the async engine on a fake engine -------------------------------------------------------------------
 class FakeEngine:
     """Just enough of LLMEngine: every step gives each request one token until it has `length` of them.
-    Prompt [13] is rejected on add; `fail` makes step() raise; `broken` makes the invariant check fail."""
+    Prompt [13] is rejected on add; `fail` makes step() raise (the engine cannot go on)."""
 
     max_model_len = 64
+    tokenizer = None
 
     def __init__(self, length: int = 3) -> None:
         self.length = length
@@ -432,9 +433,8 @@ class FakeEngine:
             outputs.append(self._output(request_id, "length" if len(tokens) == self.length else None))
         return outputs
 
-    def check_invariants(self) -> None:
-        if self.broken:
-            raise AssertionError("block pool corrupted")
+    def pop_failed_requests(self) -> dict[str, BaseException]:
+        return {}
 
     def _output(self, request_id: str, reason: str | None) -> RequestOutput:
         tokens = self.tokens[request_id] if reason is None else self.tokens.pop(request_id)
@@ -458,19 +458,19 @@ def test_async_engine_bad_request_fails_alone_and_idle_does_not_spin() -> None:
             with pytest.raises(ValueError, match="unlucky"):
                 await drain(bad)
             outs = await drain(good)
-            assert outs[-1].finished and len(outs) == 3
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3  # outputs are cumulative
             steps = fake.steps
             await asyncio.sleep(0.3)
             assert fake.steps == steps  # idle: the loop sleeps on its event
             assert engine.is_alive
-            assert len(await drain(engine.generate("again", [1], SamplingParams()))) == 3
+            assert len((await drain(engine.generate("again", [1], SamplingParams())))[-1].outputs[0].token_ids) == 3
         finally:
             engine.shutdown()
 
     asyncio.run(run())
 
 
-def test_async_engine_step_failure_fails_its_requests_then_death_fails_everything() -> None:
+def test_async_engine_without_factory_dies_on_a_step_failure_and_fails_everything() -> None:
     fake = FakeEngine(length=1000)
 
     async def run() -> None:
@@ -480,15 +480,43 @@ def test_async_engine_step_failure_fails_its_requests_then_death_fails_everythin
             stream = engine.add_request("a", [1], SamplingParams())
             await stream.__anext__()
             fake.fail = RuntimeError("kernel exploded")
-            with pytest.raises(RuntimeError, match="kernel exploded"):
+            with pytest.raises(EngineDeadError, match="kernel exploded"):
                 await drain(stream)
-            assert engine.is_alive  # one failed step fails its requests, not the engine
-            fake.broken = True
-            with pytest.raises(EngineDeadError):
-                await drain(engine.add_request("b", [1], SamplingParams()))
             assert not engine.is_alive
             with pytest.raises(EngineDeadError):
                 engine.add_request("c", [1], SamplingParams())
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_async_engine_with_factory_restarts_and_serves_again() -> None:
+    broken, fresh = FakeEngine(length=1000), FakeEngine(length=3)
+    restarts = []
+
+    class Observer:
+        def record(self, engine: object, outputs: list) -> None:
+            pass
+
+        def record_restart(self) -> None:
+            restarts.append(1)
+
+    async def run() -> None:
+        engine = AsyncLLMEngine(broken, observer=Observer(), engine_factory=lambda: fresh)
+        engine.start()
+        try:
+            stream = engine.add_request("a", [1], SamplingParams())
+            await stream.__anext__()
+            broken.fail = RuntimeError("kernel exploded")
+            with pytest.raises(EngineRestartingError, match="kernel exploded.*retry"):
+                await drain(stream)
+            for _ in range(100):
+                if engine.is_alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.is_alive and engine.num_restarts == 1 and restarts == [1]
+            assert (await drain(engine.add_request("b", [1], SamplingParams())))[-1].outputs[0].token_ids == [0, 1, 2]
         finally:
             engine.shutdown()
 
@@ -504,7 +532,7 @@ def test_dead_engine_gives_503s_not_hangs() -> None:
     app = build_app(fake, ["fake"])
     with TestClient(app) as http:
         assert http.get("/health").status_code == 200
-        fake.fail, fake.broken = RuntimeError("kernel exploded"), True
+        fake.fail = RuntimeError("kernel exploded")
         r = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert http.get("/health").status_code == 503

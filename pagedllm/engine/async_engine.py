@@ -5,16 +5,21 @@ The engine is not thread-safe, so nothing but the loop thread touches it: reques
 a queue it drains before every step, and outputs go back to each request's asyncio.Queue through
 `loop.call_soon_threadsafe`. Every waiting and running request is in the same engine, so the scheduler batches
 them all. When there is nothing to do the thread sleeps on an event (no busy spin).
+
+A request a step fails on fails alone (LLMEngine isolates it); an error that escapes `step()` means the engine cannot
+go on: the loop thread fails every request in flight with EngineRestartingError (a 503: retry), builds a fresh engine
+with `engine_factory` and carries on. Without a factory the loop stops for good (EngineDeadError).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.outputs import RequestOutput
@@ -22,11 +27,19 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
-MAX_CONSECUTIVE_STEP_FAILURES = 3
+RESTART_ATTEMPTS = 3  # engine factory calls before the loop gives up
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped: no request can be served any more."""
+
+
+class EngineRestartingError(RuntimeError):
+    """The engine failed and is being replaced; the request should be retried."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed on this request (and on no other): the server's fault, not the client's."""
 
 
 class QueueFullError(RuntimeError):
@@ -38,18 +51,30 @@ class StepObserver(Protocol):
 
     def record(self, engine: Any, outputs: list[RequestOutput]) -> None: ...
 
+    def record_restart(self) -> None: ...
+
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; cancelling it (or the task reading it) aborts it."""
+    """The outputs of one request, as an async iterator; cancelling it (or the task reading it) aborts it.
+
+    Outputs are cumulative (each holds all tokens and text so far), so the stream keeps only the newest: a reader
+    slower than the engine gets several tokens at once, and an unread stream holds one output, not one per token
+    (as vLLM's RequestOutputCollector)."""
 
     def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
         self.request_id = request_id
         self.finished = False
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        """Replace the unread output; a final output or an error is never replaced."""
+        latest = self._latest
+        if isinstance(latest, BaseException) or (latest is not None and latest.finished):
+            return
+        self._latest = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -58,10 +83,13 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            await self._ready.wait()
         except asyncio.CancelledError:
             self.cancel()
             raise
+        item, self._latest = self._latest, None
+        self._ready.clear()
+        assert item is not None
         if isinstance(item, BaseException):
             self._done()
             raise item
@@ -83,12 +111,21 @@ class RequestStream:
 class AsyncLLMEngine:
     """Runs `engine.step()` in one thread; `add_request` (from the event loop) returns a RequestStream."""
 
-    def __init__(self, engine: Any, max_waiting_requests: int = 256,
-                 observer: StepObserver | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, max_waiting_requests: int = 256, observer: StepObserver | None = None,
+                 engine_factory: Callable[[], Any] | None = None) -> None:
+        self.engine = engine  # None only while a restart builds the next one
+        self.engine_factory = engine_factory
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self.dead_error: BaseException | None = None
+        self.restarting = False
+        self.num_restarts = 0
+        self.restart_reason: str | None = None
+        # facts that a restart does not change, read from the event loop
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.max_prompt_chars: int | None = getattr(engine, "max_prompt_chars", None)
         self.num_running = 0  # published by the loop thread after every step, read by the event loop
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -96,7 +133,6 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._step_failures = 0
 
     # ---- event-loop side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,26 +147,18 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # ---- the engine's read-only facts (safe from the event loop: they never change) -------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
+    # ---- the engine's read-only facts (safe from the event loop or a worker thread: they never change) ------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """The engine's checked tokenization; reads nothing the loop thread changes."""
-        return self.engine.tokenize_prompt(prompt)
+        engine = self.engine
+        if engine is None:
+            raise EngineRestartingError(self._restarting_message())
+        return engine.tokenize_prompt(prompt)
 
     @property
     def is_alive(self) -> bool:
-        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        """Serving now: not dead, not restarting (/health's answer)."""
+        return self.dead_error is None and not self.restarting and self._thread is not None and self._thread.is_alive()
 
     @property
     def num_waiting(self) -> int:
@@ -138,8 +166,13 @@ class AsyncLLMEngine:
         return max(0, len(self._streams) - self.num_running)
 
     def check_alive(self) -> None:
+        if self.restarting and self.dead_error is None:
+            raise EngineRestartingError(self._restarting_message())
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+
+    def _restarting_message(self) -> str:
+        return f"the engine failed ({self.restart_reason}) and is restarting; retry the request"
 
     def check_admission(self) -> None:
         """Raise before anything is queued if the engine is dead or the waiting queue is full."""
@@ -191,14 +224,16 @@ class AsyncLLMEngine:
                 self._forget(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            stream.put(EngineDeadError(f"the engine loop has stopped: {error!r}"))
+        """Every request in flight ends with `error`; their ids are aborted too, in case an add is still queued."""
+        for request_id, stream in list(self._streams.items()):
+            stream.put(error)
+            self.abort(request_id)
         self._streams.clear()
 
     # ---- loop thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            while not self._stopping:
+        while not self._stopping:
+            try:
                 self._wake.clear()  # before draining, so a command sent after the drain wakes the wait below
                 drained = self._drain()
                 if self.engine.has_unfinished_requests():
@@ -207,10 +242,43 @@ class AsyncLLMEngine:
                     if drained:
                         self._observe([])
                     self._wake.wait()
-        except BaseException as e:  # the loop itself failed: fail everyone, /health turns 503
-            logger.exception("engine loop died")
-            self.dead_error = e
-            self._post(self._fail_all, e)
+            except Exception as e:  # the engine cannot go on: replace it, or stop (/health turns 503)
+                if not self._restart(e):
+                    return
+
+    def _restart(self, error: Exception) -> bool:
+        """Fail the requests in flight with a 503 that says to retry, drop the broken engine, build a fresh one;
+        False when there is no factory or it keeps failing (then the loop stops for good)."""
+        reason = f"{type(error).__name__}: {error}"
+        if self.engine_factory is None:
+            logger.error("the engine failed and cannot recover (%s); no engine factory, so it stays down", reason,
+                         exc_info=error)
+            self.dead_error = error
+            self._post(self._fail_all, EngineDeadError(f"the engine loop has stopped: {error!r}"))
+            return False
+        logger.error("the engine failed and cannot recover (%s); restarting it", reason, exc_info=error)
+        self.restart_reason, self.restarting = reason, True
+        self._post(self._fail_all, EngineRestartingError(self._restarting_message()))
+        self.engine = None  # the old engine's KV cache goes before the new one takes its own
+        gc.collect()
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                self.engine = self.engine_factory()
+                break
+            except Exception as e:
+                logger.exception("engine restart %d/%d failed", attempt, RESTART_ATTEMPTS)
+                self.dead_error = e
+                time.sleep(attempt)
+        else:
+            self._post(self._fail_all, EngineDeadError(f"the engine could not be restarted: {self.dead_error!r}"))
+            return False
+        self.dead_error = None
+        self.num_restarts += 1
+        if self.observer is not None:
+            self.observer.record_restart()
+        self.restarting = False
+        logger.warning("engine restarted (%d restart(s) since the server started)", self.num_restarts)
+        return True
 
     def _drain(self) -> bool:
         """Apply every queued add and abort; a bad request fails alone."""
@@ -241,30 +309,18 @@ class AsyncLLMEngine:
         return drained
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self._fail_step(e)
-            return
-        self._step_failures = 0
+        """One engine step; a request it failed on gets its error instead of its last output."""
+        outputs = self.engine.step()
+        failed = self.engine.pop_failed_requests()
         self.num_running = self.engine.num_running
         self._observe(outputs)
         if outputs:
-            self._post(self._deliver, [(out.request_id, out) for out in outputs])
+            self._post(self._deliver, [(out.request_id, self._failure(failed[out.request_id])
+                                        if out.request_id in failed else out) for out in outputs])
 
-    def _fail_step(self, error: Exception) -> None:
-        """A failed step fails the requests that ran in it, not the engine (unless the engine is broken)."""
-        aborted = self.engine.fail_running()
-        victims = [out.request_id for out in aborted]
-        logger.exception("engine step failed; failing its %d running requests", len(victims))
-        self.num_running = self.engine.num_running
-        self._observe(aborted)
-        self._step_failures += 1
-        self.engine.check_invariants()  # raises if the failure left the block pool inconsistent: loop dies
-        if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise EngineDeadError(f"{self._step_failures} engine steps failed in a row") from error
-        failure = RuntimeError(f"the engine failed on this request: {error}")
-        self._post(self._deliver, [(r, failure) for r in victims])
+    @staticmethod
+    def _failure(error: BaseException) -> RequestFailedError:
+        return RequestFailedError(f"the engine failed on this request: {error}")
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         if self.observer is None:

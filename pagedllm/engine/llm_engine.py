@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.kv_stats import KVUsage
+from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.step_timers import StepTimers
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
@@ -22,6 +24,11 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
+MAX_FAILED_STEPS_IN_A_ROW = 8  # steps in which nothing ran: the model fails whatever it runs
+
+
+class EngineBrokenError(RuntimeError):
+    """The engine cannot go on (its state is inconsistent, or the model fails on every request): replace it."""
 
 
 @dataclass
@@ -76,8 +83,9 @@ StepObserver = Callable[[StepRecord], None]
 class LLMEngine:
     """Owns the scheduler and the model runner; `step()` runs one iteration of continuous batching."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
         self.config = config
+        self.faults = faults or FaultInjector.from_env()  # tests only
         self.runner, self.tokenizer, self.model_name = ModelRunner.from_config(config)
         self.model_config: ModelConfig = self.runner.model_config
         self.eos_token_ids = set(self.runner.eos_token_ids)
@@ -90,6 +98,10 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
         self.observers: list[StepObserver] = []
+        self.failed: dict[str, BaseException] = {}  # requests a step failed on, until pop_failed_requests()
+        self.failed_steps_in_a_row = 0
+        # No text longer than this can fit: no token is longer (a tokenizer that deletes characters would need more)
+        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
         logger.info("max_model_len %d", self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
@@ -106,16 +118,23 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids, checked against the vocabulary and the context."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Token ids of a prompt given as text or ids, checked against the vocabulary and the context; a text that
+        cannot fit is refused by its length before it is tokenized (that costs time in proportion)."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(f"the prompt has {len(prompt)} characters: more than max_model_len "
+                                      f"({self.max_model_len}) tokens can hold")
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate, which the tokenizer cannot take
+            raise InvalidRequestError(f"the prompt is not valid text: {e}") from None
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                                       "(it must leave room for at least one generated token)")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -134,6 +153,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
         group = SequenceGroup.make(seq)
+        self.runner.add_sequences(group.seqs)  # per-request state now: a failure is this request's
         self.groups[request_id] = group
         for s in group.seqs:
             self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -155,6 +175,11 @@ class LLMEngine:
         """Abort every running request (after a failed step); their final outputs, blocks back in the pool."""
         outputs = [self.abort_request(g.request_id) for g in list(self.scheduler.running)]
         return [out for out in outputs if out is not None]
+
+    def pop_failed_requests(self) -> dict[str, BaseException]:
+        """The requests that steps failed on since the last call, and why (their last output said "abort")."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -209,18 +234,22 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of every request that got a token."""
+        """Schedule, run the model once, and return the outputs of every request that got a token. A request the
+        step fails on fails alone (pop_failed_requests); an error that escapes means the engine must be replaced."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.faults is not None:
+            self.faults.check_engine(plan)
         blocks_in_use = self.block_manager.pool.num_used
         now = time.time()
         for s in plan.scheduled:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        sampled = self.runner.execute(plan)
-        self.scheduler.commit(plan)
+        try:
+            outputs = self._run(plan)
+        except Exception as error:
+            outputs = self._isolate(plan, error)
         self.kv_usage.record_step(self.block_manager, self.scheduler.running)
-        outputs = self._process_outputs(plan.sampling_seqs, sampled) if sampled is not None else []
         if self.observers:
             record = StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
                                 outputs)
@@ -228,11 +257,93 @@ class LLMEngine:
                 observer(record)
         return outputs
 
+    def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
+        if self.faults is not None:
+            self.faults.check_model_step(plan)
+        sampled = self.runner.execute(plan)
+        self.scheduler.commit(plan)
+        return self._process_outputs(plan.sampling_seqs, sampled) if sampled is not None else []
+
+    # ---- a failed step ----------------------------------------------------------------------------
+    def _isolate(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Rerun the failed step's requests in parts (those already decoding apart from those still in their prompt,
+        then halves) until each part runs or is one request, which fails alone. Nothing was committed, so a part
+        recomputes its chunk exactly; the others keep their tokens and blocks."""
+        groups = list(dict.fromkeys(self.groups[s.seq.request_id] for s in plan.scheduled))
+        logger.warning("a step of %d requests failed (%r); rerunning it in parts to find the request at fault",
+                       len(groups), error)
+        outputs: list[RequestOutput] = []
+        failed: list[SequenceGroup] = []
+        decoding = [g for g in groups if g.is_decoding]
+        prompts = [g for g in groups if not g.is_decoding]  # the newest admissions are here
+        parts = [decoding, prompts] if decoding and prompts else self._halves(groups)
+        for part in parts if len(groups) > 1 else []:
+            self._run_part(plan, part, outputs, failed)
+        if len(groups) == 1:
+            self._fail_request(groups[0], error)
+            failed.append(groups[0])
+        outputs += [self._output(g) for g in failed]
+        self.block_manager.check()  # a failure must leave the pool consistent, or the engine is replaced
+        if len(failed) == len(groups):
+            self.failed_steps_in_a_row += 1
+            if len(groups) > 1 or self.failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise EngineBrokenError(f"the model failed on every request of {self.failed_steps_in_a_row} "
+                                        f"step(s) in a row, even alone: {error!r}") from error
+        else:
+            self.failed_steps_in_a_row = 0
+        return outputs
+
+    def _run_part(self, plan: SchedulerOutput, part: list[SequenceGroup], outputs: list[RequestOutput],
+                  failed: list[SequenceGroup]) -> None:
+        sub = self._subplan(plan, part)
+        try:
+            outputs += self._run(sub)
+        except Exception as error:
+            if len(part) > 1:
+                for half in self._halves(part):
+                    self._run_part(plan, half, outputs, failed)
+                return
+            logger.error("request %s failed its step alone; failing it: %r", part[0].request_id, error)
+            self._fail_request(part[0], error)
+            failed.append(part[0])
+
+    @staticmethod
+    def _halves(groups: list[SequenceGroup]) -> list[list[SequenceGroup]]:
+        return [groups[:len(groups) // 2], groups[len(groups) // 2:]]
+
+    @staticmethod
+    def _subplan(plan: SchedulerOutput, part: list[SequenceGroup]) -> SchedulerOutput:
+        """The plan's share of `part`, with the copy-on-write copies into its own blocks (copying again is
+        harmless: the source blocks' shared prefix has not changed)."""
+        seqs = {id(seq) for g in part for seq in g.seqs}
+        scheduled = [s for s in plan.scheduled if id(s.seq) in seqs]
+        own = {b for s in scheduled for b in s.block_table}
+        return SchedulerOutput(budget=0, scheduled=scheduled, copies=[c for c in plan.copies if c[1] in own])
+
+    def _fail_request(self, group: SequenceGroup, error: BaseException) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish("abort")
+        self._release_finished(group)
+        self.failed[group.request_id] = error
+
+    # ---- outputs ----------------------------------------------------------------------------------
     def _process_outputs(self, sampling: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Each sampled token through the stop checks and the detokenizer; a request that raises here fails alone."""
         touched: dict[str, SequenceGroup] = {}
+        errors: dict[str, Exception] = {}
         for row, seq in enumerate(sampling):
-            self._process_token(seq, sampled, row)
+            if seq.request_id in errors:
+                continue
+            try:
+                self._process_token(seq, sampled, row)
+            except Exception as e:
+                logger.exception("request %s failed while its token was processed", seq.request_id)
+                errors[seq.request_id] = e
             touched.setdefault(seq.request_id, self.groups[seq.request_id])
+        for request_id, error in errors.items():
+            self._fail_request(touched[request_id], error)
         for group in touched.values():
             self._release_finished(group)
         return [self._output(group) for group in touched.values()]

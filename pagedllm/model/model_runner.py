@@ -12,6 +12,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence
+from pagedllm.errors import InvalidRequestError
 from pagedllm.model.attention import is_fast_path_available
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata, LlamaModel
@@ -120,7 +121,8 @@ class ModelRunner:
         seqs = plan.sampling_seqs
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [self._generator(s) for s in seqs], self.model.config.vocab_size, eos_token_ids=self.eos_token_ids)
+            [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
+            eos_token_ids=self.eos_token_ids)
         if batch.is_plain_greedy and self.model.ext is not None:
             return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows]))
         return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)
@@ -134,15 +136,19 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        """A seeded sequence draws from its own generator, seeded `seed + index` for the index-th of n samples,
-        so its samples do not depend on its batch-mates and the n samples differ."""
-        seed = seq.params.seed
-        if seed is None:
-            return None
-        if seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = torch.Generator().manual_seed(seed + seq.index)
-        return self.generators[seq.seq_id]
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """Build each seeded sequence's generator when its request arrives, seeded `seed + index` for the index-th of
+        n samples (its samples do not depend on its batch-mates, and the n samples differ): a seed torch refuses
+        is that request's error, never a step's."""
+        for seq in seqs:
+            if seq.params.seed is None:
+                continue
+            try:
+                self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed + seq.index)
+            except (ValueError, RuntimeError, OverflowError) as e:
+                for s in seqs:
+                    self.release(s.seq_id)
+                raise InvalidRequestError(f"seed {seq.params.seed} is out of range: {e}") from None
 
     def release(self, seq_id: Hashable) -> None:
         self.generators.pop(seq_id, None)

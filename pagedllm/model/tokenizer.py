@@ -55,6 +55,9 @@ _END_OF_GENERATION_TEXTS = (
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>",
 )
 
+# Texts longer than this are encoded by encode_batch, which releases the GIL (see Tokenizer.encode)
+LONG_TEXT_CHARS = 4096
+
 # How many prompt tokens the detokenizer decodes with the first output token (as vLLM), so that the first
 # token's leading space and multi-token characters spanning the prompt boundary come out right.
 _INITIAL_WINDOW = 5
@@ -82,6 +85,7 @@ class Tokenizer:
             i for i, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self._template: jinja2.Template | None = None
+        self._max_token_chars: int | None = None
 
     # -- construction ------------------------------------------------------------------------------------
 
@@ -197,8 +201,22 @@ class Tokenizer:
     # -- use -----------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens in the text are matched whole. BOS added if the model wants."""
+        """Token ids of `text`; special tokens in the text are matched whole. BOS added if the model wants.
+        A long text goes through encode_batch, which releases the GIL while it works (encode holds it), so a
+        server thread tokenizing it does not stall the event loop."""
+        if len(text) > LONG_TEXT_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string, at least its decoded text): a text
+        longer than n times this has more than n tokens."""
+        if self._max_token_chars is None:
+            longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+            # a normalizer may shorten the text first (NFC composes pairs); allow for it
+            self._max_token_chars = longest * (1 if self.backend.normalizer is None else 4)
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,9 +31,27 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineRestartingError,
+    QueueFullError,
+    RequestStream,
+)
+from pagedllm.entrypoints.openai.limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_STREAM_SEND_TIMEOUT,
+    OFF_LOOP_CHARS,
+    OFF_LOOP_TOKENS,
+    ClientTooSlow,
+    RequestLimitMiddleware,
+    WorkerPool,
+    timed_send,
+)
 from pagedllm.entrypoints.openai.metrics import EngineStats
 from pagedllm.entrypoints.openai.protocol import (
+    MAX_N,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -67,7 +86,6 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 T = TypeVar("T")
-MAX_N = 128
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -92,6 +110,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "server_error", code="server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineRestartingError):
+        return APIError(503, str(exc), "server_error", code="engine_restarting", headers={"Retry-After": "5"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, InvalidRequestError):
@@ -177,6 +197,8 @@ class ServerContext:
     stats: EngineStats
     model_names: list[str]
     model_path: str | None
+    workers: WorkerPool = dataclasses.field(default_factory=WorkerPool)
+    stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT
 
     @property
     def tokenizer(self) -> Any:
@@ -191,12 +213,24 @@ class ServerContext:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or self.model_names[0]
 
-    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids checked against vocabulary and context (read-only engine use: safe off its thread)."""
+    async def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids checked against vocabulary and context (read-only engine use: safe off its thread); a long
+        prompt in a worker thread, so the event loop goes on serving."""
         try:
+            if len(prompt) > (OFF_LOOP_CHARS if isinstance(prompt, str) else OFF_LOOP_TOKENS):
+                return await self.workers.run(self.engine.tokenize_prompt, prompt)
             return self.engine.tokenize_prompt(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
+        except EngineRestartingError as e:
+            raise to_api_error(e) from None
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse a text no context could hold before tokenizing it (that costs time in proportion)."""
+        limit = self.engine.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"the {param} have {len(text)} characters: more than max_model_len "
+                           f"({self.max_model_len}) tokens can hold", param=param, code="context_length_exceeded")
 
     def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
         if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
@@ -333,15 +367,20 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class SSEResponse(StreamingResponse):
-    """An event stream that aborts its requests however it ends (client gone before the first chunk too)."""
+    """An event stream that aborts its requests however it ends: client gone (before the first chunk too), or a
+    client that stopped reading for `send_timeout` seconds (its unread output is not kept, see RequestStream)."""
 
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
+                 send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.streams = streams
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send(send, self.send_timeout))
+        except ClientTooSlow as e:
+            logger.warning("aborting a stream: %s", e)
         finally:
             cancel_all(self.streams)
 
@@ -408,11 +447,11 @@ def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
 router = APIRouter()
 
 
-def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+async def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str) or not p or isinstance(p[0], int):
-        return [ctx.tokenize(p, "prompt")]  # type: ignore[arg-type]
-    return [ctx.tokenize(x, "prompt") for x in p]  # type: ignore[arg-type]
+        return [await ctx.tokenize(p, "prompt")]  # type: ignore[arg-type]
+    return [await ctx.tokenize(x, "prompt") for x in p]  # type: ignore[arg-type]
 
 
 @router.post("/v1/completions")
@@ -424,7 +463,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    prompts = completion_prompts(ctx, req)
+    prompts = await completion_prompts(ctx, req)
     for ids in prompts:
         ctx.check_fits(len(ids), req.max_tokens)
     echoes = [ctx.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
@@ -432,7 +471,8 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, prompts, params, req.n)
     if req.stream:
-        return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams)
+        return SSEResponse(completion_events(req, request_id, model, prompts, echoes, streams), streams,
+                           ctx.stream_send_timeout)
     finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
@@ -500,14 +540,25 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The conversation through the model's chat template, as token ids (no second BOS)."""
-    try:
-        text = ctx.tokenizer.apply_chat_template([message_dict(m) for m in messages],
-                                                 add_generation_prompt=add_generation_prompt)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+def message_chars(messages: list[ChatMessage]) -> int:
+    return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+               for m in messages)
+
+
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The conversation through the model's chat template, as token ids (no second BOS); a long one in a worker
+    thread, and one longer than any context refused before it is tokenized."""
+    dicts = [message_dict(m) for m in messages]
+
+    def render() -> list[int]:
+        try:
+            text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        ctx.check_prompt_chars(text, "messages")
+        return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+    return await ctx.workers.run(render) if message_chars(messages) > OFF_LOOP_CHARS else render()
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -526,13 +577,14 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
     params = sampling_params(req, max_tokens, top_n)
-    prompt = ctx.tokenize(render_chat(ctx, req.messages, req.add_generation_prompt), "messages")
+    prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt), "messages")
     ctx.check_fits(len(prompt), max_tokens)
     request_id = random_id("chatcmpl")
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, [prompt], params, req.n)
     if req.stream:
-        return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams)
+        return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams,
+                           ctx.stream_send_timeout)
     finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
@@ -584,10 +636,11 @@ async def list_models(raw: Request) -> Response:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
+    """200 while the engine serves; 503 while it restarts after a failure, or for good once it is dead."""
     engine = server_of(raw).engine
     if not engine.is_alive:
-        raise APIError(503, f"the engine loop has stopped: {engine.dead_error!r}", "server_error",
-                       code="engine_dead")
+        with engine_errors():
+            engine.check_alive()  # raises the reason
     return Response(status_code=200)
 
 
@@ -609,9 +662,11 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
     if req.messages is not None:
-        ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+        ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
     else:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ctx.check_prompt_chars(req.prompt, "prompt")
+        encode = functools.partial(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await ctx.workers.run(encode) if len(req.prompt) > OFF_LOOP_CHARS else encode()
     return json_response(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
 
 
@@ -620,6 +675,8 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
     ctx = server_of(raw)
     ctx.check_model(req.model)
     vocab = ctx.engine.vocab_size
+    if len(req.tokens) > ctx.max_model_len:
+        raise APIError(400, f"at most max_model_len ({ctx.max_model_len}) tokens", param="tokens")
     if not all(0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
@@ -628,10 +685,14 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
 # ---- app and command -------------------------------------------------------------------------------------
 def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
               max_waiting_requests: int = 256, log_interval: float = 5.0,
-              model_path: str | None = None) -> FastAPI:
-    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app."""
+              model_path: str | None = None, engine_factory: Callable[[], Any] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+              stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT) -> FastAPI:
+    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app. With an
+    `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down)."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats, engine_factory=engine_factory)
+    workers = WorkerPool()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -640,12 +701,14 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
             yield
         finally:
             async_engine.shutdown()
+            workers.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    app.state.server = ServerContext(async_engine, stats, model_names, model_path)
+    app.state.server = ServerContext(async_engine, stats, model_names, model_path, workers, stream_send_timeout)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestLimitMiddleware, max_bytes=max_request_bytes, timeout=body_timeout)
     app.include_router(router)
     return app
 
@@ -662,6 +725,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="name(s) clients use for the model (default: --model as given)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests queued beyond this get 503 with Retry-After")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413 before they are read")
+    g.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds to receive a whole request body (408 beyond)")
+    g.add_argument("--stream-send-timeout", type=float, default=DEFAULT_STREAM_SEND_TIMEOUT,
+                   help="a stream whose client reads nothing for this many seconds is aborted")
+    g.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's)")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
     g.add_argument("--uvicorn-log-level", default="info",
@@ -675,17 +746,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.llm_engine import LLMEngine
 
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be positive, got {args.max_waiting_requests}")
+    for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
+                 "timeout_keep_alive"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     loggers = {"pagedllm.requests": args.disable_log_requests, "pagedllm.stats": args.disable_log_stats}
     for name, disabled in loggers.items():
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
     if logging.getLogger().level > logging.INFO:  # a server reports its model and KV cache at start
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    engine = LLMEngine(config)
     names = args.served_model_name or [args.model or engine.model_name]
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_waiting_requests=args.max_waiting_requests,
-                    model_path=args.model or engine.model_name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+                    max_waiting_requests=args.max_waiting_requests, model_path=args.model or engine.model_name,
+                    engine_factory=functools.partial(LLMEngine, config), max_request_bytes=args.max_request_bytes,
+                    body_timeout=args.body_timeout, stream_send_timeout=args.stream_send_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=args.timeout_keep_alive)
     return 0

@@ -64,6 +64,10 @@ class EngineStats:
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.engine_restarts = counter("engine_restarts", "Engines replaced after a failure they could not survive.")
+        self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks held by requests.")
+        self.kv_blocks_cached_free = gauge(
+            "kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix (reusable until evicted).")
         self._request_success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -98,6 +102,8 @@ class EngineStats:
         self.num_requests_running_max.set(self._peak_running)
         stats = engine.stats()
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_blocks_in_use.set(getattr(stats, "blocks_in_use", 0))
+        self.kv_blocks_cached_free.set(getattr(stats, "blocks_cached_free", 0))
         if stats.kv_slots_held:
             self.kv_waste_fraction.set(stats.last_step_kv_waste_fraction)
         if stats.preemptions > self._seen_preemptions:
@@ -105,6 +111,13 @@ class EngineStats:
             self._seen_preemptions = stats.preemptions
         self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
         self._maybe_log_engine(stats.kv_cache_usage, running, waiting)
+
+    def record_restart(self) -> None:
+        """A fresh engine replaced a broken one: count it; its counters start from zero, its requests are gone."""
+        self.engine_restarts.inc()
+        self._progress.clear()
+        self._seen_preemptions = 0
+        self._seen_prefix_cache = (0, 0)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""

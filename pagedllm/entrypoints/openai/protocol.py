@@ -10,7 +10,22 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from pagedllm.sampling_params import SEED_RANGE
+
+# The ranges every request field is checked against at the door (the OpenAPI schema shows them too).
+MAX_N = 128  # choices per request
+MAX_STOP = 32  # stop strings (each scanned after every token)
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 256  # prompts of one batched /v1/completions request
+MAX_MESSAGES = 2048  # as OpenAI
+MAX_CONTENT_PARTS = 256
+MAX_LOGIT_BIAS = 300  # as OpenAI (the server refuses logit_bias, after this cheap check)
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 def random_id(prefix: str) -> str:
@@ -34,82 +49,155 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests --------------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+def lone_surrogate(value: Any) -> bool:
+    """Whether a string in `value` (strings, lists and dicts of them, however deep) holds half of a UTF-16 pair:
+    JSON can carry one ("\\ud800"), no tokenizer or UTF-8 response can. Lists of numbers are not walked."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list) and item and not isinstance(item[0], (int, float)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return False
+
+
+def too_long(value: Any, limit: int) -> bool:
+    return isinstance(value, list) and len(value) > limit
+
+
+class RequestModel(BaseModel):
+    """A request body: unknown fields ignored (as OpenAI and vLLM), no NaN or infinity, only valid Unicode."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> RequestModel:
+        for name, value in [*self.__dict__.items(), *(self.model_extra or {}).items()]:
+            if not isinstance(value, BaseModel) and lone_surrogate(value):
+                raise ValueError(f"{name} is not valid Unicode (a lone UTF-16 surrogate)")
+        return self
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields both endpoints share: OpenAI's sampling fields, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM extras
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _short_stop_strings(self) -> SamplingRequest:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        return self
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_prompts(cls, data: Any) -> Any:
+        """Count a batch of prompts before validating them (that costs time in proportion)."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if too_long(prompt, MAX_PROMPTS) and not isinstance(prompt[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return data
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """A message of the conversation; extra keys (tool calls, names) go to the chat template untouched."""
+class ChatMessage(RequestModel):
+    """A message of the conversation; extra keys (tool calls, names) go to the chat template untouched. As in
+    OpenAI's API, every message has content except an assistant's that calls tools."""
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_parts(cls, data: Any) -> Any:
+        if isinstance(data, dict) and too_long(data.get("content"), MAX_CONTENT_PARTS):
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per message")
+        return data
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        calls = (self.model_extra or {}).get("tool_calls") or (self.model_extra or {}).get("function_call")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_messages(cls, data: Any) -> Any:
+        """Count the messages before validating them (that costs time in proportion)."""
+        if isinstance(data, dict) and too_long(data.get("messages"), MAX_MESSAGES):
+            raise ValueError(f"at most {MAX_MESSAGES} messages per request")
+        return data
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -1,0 +1,115 @@
+"""Limits that keep one client from holding the server: the size of a request body and the time to receive it (an
+ASGI middleware, before FastAPI parses anything), the time a stream may wait for its client to read, and a small
+thread pool for the work that grows with a request (tokenizing and rendering long prompts), off the event loop.
+
+uvicorn holds a connection's headers to 16 KiB (h11's limit) and closes idle keep-alive connections after
+--timeout-keep-alive; a client that sends its headers slowly holds one socket and no engine resource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("pagedllm.entrypoints.openai.limits")
+T = TypeVar("T")
+
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # JSON parsing runs on the event loop: ~0.1-0.25 s per MiB at worst
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole body
+DEFAULT_STREAM_SEND_TIMEOUT = 30.0  # seconds a stream waits for its client to take the next chunk
+OFF_LOOP_CHARS = 8192  # longer prompts are tokenized (and chats rendered) in the worker threads
+OFF_LOOP_TOKENS = 8192
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes (--max-request-bytes)")
+
+
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s")
+
+
+class RequestLimitMiddleware:
+    """413 for a body over `max_bytes` (by its Content-Length before a byte is read, else by counting what arrives),
+    408 when the whole body takes longer than `timeout` seconds to arrive (a client sending it byte by byte). FastAPI
+    re-raises these HTTPExceptions as they are, so the client gets OpenAI's error body (FastAPI's own max_body_size
+    answers a declared oversize body in plain text)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0").strip()
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.app(scope, self._refuse, send)  # the route's first receive raises: nothing is read
+            return
+        await self.app(scope, self._limited(receive), send)
+
+    async def _refuse(self) -> Message:
+        raise BodyTooLarge(self.max_bytes)
+
+    def _limited(self, receive: Receive) -> Receive:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        received = 0
+        done = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, done
+            if done:  # the body is in: later receives wait for a disconnect, without a deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.timeout) from None
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        return limited_receive
+
+
+class ClientTooSlow(Exception):
+    """A stream's client did not take a chunk within the send timeout."""
+
+
+def timed_send(send: Send, timeout: float) -> Send:
+    """`send` that gives up after `timeout` seconds (a client that stopped reading fills the socket, then blocks us)."""
+
+    async def send_with_timeout(message: Message) -> None:
+        try:
+            await asyncio.wait_for(send(message), timeout)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"the client read nothing for {timeout:g} s") from None
+
+    return send_with_timeout
+
+
+class WorkerPool:
+    """A few threads for request work that grows with the request (tokenizers release the GIL on long texts), so
+    the event loop keeps answering; bounded, so big requests queue instead of crowding the engine's cores."""
+
+    def __init__(self, workers: int = 2) -> None:
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="pagedllm-tokenize")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
