@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +31,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from pagedllm.entrypoints.openai.metrics import EngineStats
+from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
+from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -299,6 +300,8 @@ async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 async def collect(streams: list[RequestStream], n: int) -> list[CompletionOutput]:
     """The final output of every choice, in choice order."""
     finals: list[CompletionOutput | None] = [None] * (len(streams) * n)
+    for stream in streams:
+        stream.allow_restart()  # a restarted request's outputs start over; only the final ones count here
     with engine_errors():
         async for i, c in merge_choices(streams):
             finals[i] = c
@@ -584,10 +587,14 @@ async def list_models(raw: Request) -> Response:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
+    """200 while the engine serves (over replicas: while one does; the body then lists each replica), else 503."""
     engine = server_of(raw).engine
     if not engine.is_alive:
         raise APIError(503, f"the engine loop has stopped: {engine.dead_error!r}", "server_error",
                        code="engine_dead")
+    replicas = getattr(engine, "replica_health", None)
+    if replicas is not None:
+        return JSONResponse({"status": "ok", "replicas": replicas()})
     return Response(status_code=200)
 
 
@@ -632,17 +639,24 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
     """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats)
+    return build_client_app(async_engine, stats, model_names, api_key, model_path)
+
+
+def build_client_app(engine: Any, stats: Any, model_names: list[str], api_key: str | None = None,
+                     model_path: str | None = None) -> FastAPI:
+    """The app over an engine client (an AsyncLLMEngine, or a ReplicaPool of several), started and shut down with
+    the app; `stats.registry` is what /metrics serves."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        engine.start()
         try:
             yield
         finally:
-            async_engine.shutdown()
+            engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    app.state.server = ServerContext(async_engine, stats, model_names, model_path)
+    app.state.server = ServerContext(engine, stats, model_names, model_path)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -666,6 +680,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_data_parallel_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -682,10 +697,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
     if logging.getLogger().level > logging.INFO:  # a server reports its model and KV cache at start
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
-    names = args.served_model_name or [args.model or engine.model_name]
-    app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_waiting_requests=args.max_waiting_requests,
-                    model_path=args.model or engine.model_name)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    if args.data_parallel_size > 1:
+        app = build_data_parallel_app(args, api_key)
+    else:
+        engine = LLMEngine(EngineConfig.from_cli_args(args))
+        names = args.served_model_name or [args.model or engine.model_name]
+        app = build_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+                        model_path=args.model or engine.model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
+
+
+# ---- several replicas (`--data-parallel-size N`): Ray actors behind the router ------------------------------------
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data parallel (Ray)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a Ray actor with its own --threads, KV cache and prefix cache")
+    g.add_argument("--routing", default="prefix-affinity", choices=ROUTING_POLICIES,
+                   help="which replica takes a request: the longest cached prefix (unless that replica is "
+                        "--routing-margin requests busier than the least loaded), the least loaded, or in turn")
+    g.add_argument("--routing-margin", type=int, default=DEFAULT_ROUTING_MARGIN,
+                   help="requests in flight a prefix's replica may have above the least-loaded one")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or HOST:PORT of `ray start --head`); default: start a local "
+                        "Ray instance that lives as long as the server")
+
+
+def build_data_parallel_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
+    """N replicas behind one endpoint; ray is imported only here."""
+    import functools
+
+    from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
+
+    pool_config = PoolConfig(args.data_parallel_size, args.routing, args.routing_margin,
+                             ray_address=args.ray_address, max_waiting_requests=args.max_waiting_requests)
+    name = (args.served_model_name or [None])[0]
+    observer = functools.partial(EngineStats, name or args.model or "default")
+    pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
+    names = args.served_model_name or [args.model or pool.model_name]
+    return build_client_app(pool, ReplicaSetStats(pool, names[0]), names, api_key, args.model or pool.model_name)
