@@ -64,6 +64,11 @@ class PrefixIndex:
         self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self.owners: dict[int, set[int]] = {}
 
+    def add_replica(self) -> int:
+        """Room for one more replica (a Serve deployment scales up); its slot."""
+        self.lru.append(OrderedDict())
+        return len(self.lru) - 1
+
     def insert(self, replica: int, hashes: Sequence[int]) -> None:
         """Touch the prompt's blocks tail first, so its head is the most recent and evicted last."""
         lru = self.lru[replica]
