@@ -75,7 +75,10 @@ def init_ray(address: str | None) -> bool:
     if address is None:
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("several replicas need Ray: pip install 'pagedllm[ray]'") from None
 
     if ray.is_initialized():
         return False

@@ -108,6 +108,13 @@ class EngineDeployment:
         async for out in self.engine.generate(request_id, prompt_token_ids, params):
             yield out
 
+    async def prefix_cache(self) -> dict[str, int]:
+        """This replica's prefix cache counters (tokens), and its process id to tell replicas apart."""
+        import os
+
+        stats = self.llm.stats()
+        return {"pid": os.getpid(), "queries": stats.prefix_cache_queries, "hits": stats.prefix_cache_hits}
+
     async def check_health(self) -> None:
         if self.started and not self.engine.is_alive:
             raise RuntimeError(f"the engine loop has stopped: {self.engine.dead_error!r}")

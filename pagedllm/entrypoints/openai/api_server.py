@@ -692,6 +692,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be positive, got {args.max_waiting_requests}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     loggers = {"pagedllm.requests": args.disable_log_requests, "pagedllm.stats": args.disable_log_stats}
     for name, disabled in loggers.items():
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
