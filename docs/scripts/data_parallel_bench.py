@@ -74,6 +74,8 @@ def main() -> int:
                    help="flags every server gets")
     p.add_argument("--blocks-per-replica", type=int, default=None,
                    help="KV blocks of each replica; the single engine gets twice as many (the same memory)")
+    p.add_argument("--seqs-per-replica", type=int, default=None,
+                   help="--max-num-seqs of each replica; the single engine gets twice as many")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     tokenizer = load_tokenizer(None)
@@ -91,10 +93,13 @@ def main() -> int:
             argv = [*args.server_args.split(), *CONFIGS[name]]
             if args.blocks_per_replica:
                 argv += ["--num-blocks", str(args.blocks_per_replica * (1 if "replicas" in name else 2))]
+            if args.seqs_per_replica:
+                argv += ["--max-num-seqs", str(args.seqs_per_replica * (1 if "replicas" in name else 2))]
             rows.append({"round": r, **run(name, argv, requests, log_dir)})
     result = {"dataset": args.dataset, "num_prompts": args.num_prompts, "prefix_len": args.prefix_len,
               "num_prefixes": args.num_prefixes if args.dataset == "system-prompts" else 1,
-              "server_args": args.server_args, "blocks_per_replica": args.blocks_per_replica, "cpus": os.cpu_count(),
+              "server_args": args.server_args, "blocks_per_replica": args.blocks_per_replica,
+              "seqs_per_replica": args.seqs_per_replica, "cpus": os.cpu_count(),
               "rows": rows}
     if args.output:
         with open(args.output, "w") as f:

@@ -15,6 +15,7 @@ distinction between streamed and unstreamed requests is not made.
 from __future__ import annotations
 
 import random
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -145,22 +146,37 @@ class ServeStream:
         """Serve does not start a request over on another replica."""
 
 
+# Facts of the engine deployment, by app key, in the ingress replica's process. Serve pickles the FastAPI app and the
+# ingress class apart, so the app's client and the one the ingress binds are two copies; they meet here.
+BOUND: dict[str, dict[str, Any]] = {}
+
+
 class ServeEngineClient:
     """The engine client the OpenAI app expects, over a handle to the engine deployment (bound in the ingress
     replica, where the handle exists)."""
 
     def __init__(self, model: str | None) -> None:
         self.model = model
+        self.key = uuid.uuid4().hex
         self.is_alive, self.dead_error = True, None
 
-    def bind(self, handle: Any) -> None:
+    async def bind(self, handle: Any) -> None:
         from pagedllm.model.loader import load_tokenizer
 
-        info = handle.info.remote().result()
-        self.handle = handle.options(stream=True)
-        self.tokenizer = load_tokenizer(self.model)
-        self.model_name, self.max_model_len, self.vocab_size = (info["model_name"], info["max_model_len"],
-                                                                info["vocab_size"])
+        info = await handle.info.remote()
+        BOUND[self.key] = {**info, "handle": handle.options(stream=True), "tokenizer": load_tokenizer(self.model)}
+
+    @property
+    def tokenizer(self) -> Any:
+        return BOUND[self.key]["tokenizer"]
+
+    @property
+    def max_model_len(self) -> int:
+        return BOUND[self.key]["max_model_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return BOUND[self.key]["vocab_size"]
 
     def start(self) -> None:
         """Serve starts and stops the replicas."""
@@ -176,7 +192,7 @@ class ServeEngineClient:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ServeStream:
         ids = self.tokenize_prompt(prompt)
-        return ServeStream(self.handle.generate.remote(request_id, ids, params), request_id)
+        return ServeStream(BOUND[self.key]["handle"].generate.remote(request_id, ids, params), request_id)
 
 
 def serve_app(model: str | None = None, num_replicas: int = 2, threads: int = 1, block_size: int = 16,
@@ -204,8 +220,8 @@ def serve_app(model: str | None = None, num_replicas: int = 2, threads: int = 1,
     @serve.deployment(name="PagedLLMIngress", ray_actor_options={"num_cpus": 0})
     @serve.ingress(app)
     class Ingress:
-        def __init__(self, handle: Any) -> None:
-            client.bind(handle)
+        async def __init__(self, handle: Any) -> None:  # Serve awaits an async constructor
+            await client.bind(handle)
 
     return Ingress.bind(engine)
 
