@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "serve_app": "pagedllm.entrypoints.serve_app",  # needs ray[serve]
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench import accuracy, attention, latency, serve, sharing, soak, throughput
+from pagedllm.bench import accuracy, attention, latency, route, serve, sharing, soak, throughput
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    for module in (throughput, sharing, serve, latency, attention, accuracy, soak):
+    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route):
         module.add_command(sub)

@@ -103,6 +103,10 @@ class RequestStream:
             self._done()
             self._owner.abort(self.request_id)
 
+    def allow_restart(self) -> None:
+        """The reader needs only the final output (nothing was streamed to a client), so an engine may start the
+        request over; one engine never does (a ReplicaPool does, on another replica, if this one dies)."""
+
     def _done(self) -> None:
         self.finished = True
         self._owner._forget(self.request_id)

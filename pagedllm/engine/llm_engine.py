@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
@@ -80,6 +81,26 @@ class StepRecord:
 StepObserver = Callable[[StepRecord], None]
 
 
+def tokenize_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """LLMEngine.tokenize_prompt without an engine (a router tokenizes before it picks a replica)."""
+    max_chars = max_model_len * tokenizer.max_token_chars
+    if isinstance(prompt, str) and len(prompt) > max_chars:
+        raise InvalidRequestError(f"the prompt has {len(prompt)} characters: more than max_model_len "
+                                  f"({max_model_len}) tokens can hold")
+    try:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate, which the tokenizer cannot take
+        raise InvalidRequestError(f"the prompt is not valid text: {e}") from None
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len} "
+                                  "(it must leave room for at least one generated token)")
+    return ids
+
+
 class LLMEngine:
     """Owns the scheduler and the model runner; `step()` runs one iteration of continuous batching."""
 
@@ -120,22 +141,7 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt given as text or ids, checked against the vocabulary and the context; a text that
         cannot fit is refused by its length before it is tokenized (that costs time in proportion)."""
-        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise InvalidRequestError(f"the prompt has {len(prompt)} characters: more than max_model_len "
-                                      f"({self.max_model_len}) tokens can hold")
-        try:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate, which the tokenizer cannot take
-            raise InvalidRequestError(f"the prompt is not valid text: {e}") from None
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                                      "(it must leave room for at least one generated token)")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Sequence:

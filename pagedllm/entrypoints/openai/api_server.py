@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +38,7 @@ from pagedllm.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -49,7 +50,7 @@ from pagedllm.entrypoints.openai.limits import (
     WorkerPool,
     timed_send,
 )
-from pagedllm.entrypoints.openai.metrics import EngineStats
+from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import (
     MAX_N,
     ChatChoice,
@@ -333,6 +334,8 @@ async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 async def collect(streams: list[RequestStream], n: int) -> list[CompletionOutput]:
     """The final output of every choice, in choice order."""
     finals: list[CompletionOutput | None] = [None] * (len(streams) * n)
+    for stream in streams:
+        stream.allow_restart()  # a restarted request's outputs start over; only the final ones count here
     with engine_errors():
         async for i, c in merge_choices(streams):
             finals[i] = c
@@ -636,11 +639,15 @@ async def list_models(raw: Request) -> Response:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
-    """200 while the engine serves; 503 while it restarts after a failure, or for good once it is dead."""
+    """200 while the engine serves (over replicas: while one does; the body then lists each replica); 503 while it
+    restarts after a failure, or for good once it is dead."""
     engine = server_of(raw).engine
     if not engine.is_alive:
         with engine_errors():
             engine.check_alive()  # raises the reason
+    replicas = getattr(engine, "replica_health", None)
+    if replicas is not None:
+        return JSONResponse({"status": "ok", "replicas": replicas()})
     return Response(status_code=200)
 
 
@@ -692,19 +699,29 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
     `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down)."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats, engine_factory=engine_factory)
+    return build_client_app(async_engine, stats, model_names, api_key, model_path, max_request_bytes=max_request_bytes,
+                            body_timeout=body_timeout, stream_send_timeout=stream_send_timeout)
+
+
+def build_client_app(engine: Any, stats: Any, model_names: list[str], api_key: str | None = None,
+                     model_path: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT) -> FastAPI:
+    """The app over an engine client (an AsyncLLMEngine, or a ReplicaPool of several), started and shut down with
+    the app; `stats.registry` is what /metrics serves."""
     workers = WorkerPool()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        engine.start()
         try:
             yield
         finally:
-            async_engine.shutdown()
+            engine.shutdown()
             workers.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    app.state.server = ServerContext(async_engine, stats, model_names, model_path, workers, stream_send_timeout)
+    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, stream_send_timeout)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -737,6 +754,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_data_parallel_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -747,7 +765,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
     for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                 "timeout_keep_alive"):
+                 "timeout_keep_alive", "data_parallel_size"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     loggers = {"pagedllm.requests": args.disable_log_requests, "pagedllm.stats": args.disable_log_stats}
@@ -755,13 +773,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING if disabled else logging.INFO)
     if logging.getLogger().level > logging.INFO:  # a server reports its model and KV cache at start
         logging.getLogger("pagedllm").setLevel(logging.INFO)
-    config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(config)
-    names = args.served_model_name or [args.model or engine.model_name]
-    app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_waiting_requests=args.max_waiting_requests, model_path=args.model or engine.model_name,
-                    engine_factory=functools.partial(LLMEngine, config), max_request_bytes=args.max_request_bytes,
-                    body_timeout=args.body_timeout, stream_send_timeout=args.stream_send_timeout)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    limits = dict(max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+                  stream_send_timeout=args.stream_send_timeout)
+    if args.data_parallel_size > 1:
+        app = build_data_parallel_app(args, api_key, limits)
+    else:
+        config = EngineConfig.from_cli_args(args)
+        engine = LLMEngine(config)
+        names = args.served_model_name or [args.model or engine.model_name]
+        app = build_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+                        model_path=args.model or engine.model_name, engine_factory=functools.partial(LLMEngine, config),
+                        **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0
+
+
+# ---- several replicas (`--data-parallel-size N`): Ray actors behind the router ------------------------------------
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data parallel (Ray)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a Ray actor with its own --threads, KV cache and prefix cache")
+    g.add_argument("--routing", default="prefix-affinity", choices=ROUTING_POLICIES,
+                   help="which replica takes a request: the longest cached prefix (unless that replica is "
+                        "--routing-margin requests busier than the least loaded), the least loaded, or in turn")
+    g.add_argument("--routing-margin", type=int, default=DEFAULT_ROUTING_MARGIN,
+                   help="requests in flight a prefix's replica may have above the least-loaded one")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or HOST:PORT of `ray start --head`); default: start a local "
+                        "Ray instance that lives as long as the server")
+
+
+def build_data_parallel_app(args: argparse.Namespace, api_key: str | None, limits: dict[str, Any]) -> FastAPI:
+    """N replicas behind one endpoint; ray is imported only here."""
+    import functools
+
+    from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
+
+    pool_config = PoolConfig(args.data_parallel_size, args.routing, args.routing_margin,
+                             ray_address=args.ray_address, max_waiting_requests=args.max_waiting_requests)
+    name = (args.served_model_name or [None])[0]
+    observer = functools.partial(EngineStats, name or args.model or "default")
+    pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
+    names = args.served_model_name or [args.model or pool.model_name]
+    return build_client_app(pool, ReplicaSetStats(pool, names[0]), names, api_key, args.model or pool.model_name,
+                            **limits)

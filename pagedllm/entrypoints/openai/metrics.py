@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.outputs import RequestOutput
 
@@ -190,3 +193,48 @@ def log_finished_request(out: RequestOutput, now: float) -> None:
                         "finish_reason=%s", out.request_id, len(out.prompt_token_ids),
                         len(completion.token_ids) if completion else 0, ttft, total,
                         (completion.finish_reason if completion else None) or "abort")
+
+
+class ReplicaSetStats:
+    """/metrics of a server over several replicas (`--data-parallel-size`): every replica's own series, labelled
+    replica="i" (as its last health check reported them), plus the router's (requests routed per replica, affinity
+    hits, re-routes, replica health)."""
+
+    def __init__(self, pool: Any, model_name: str) -> None:
+        self.pool = pool
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        for replica, text in self.pool.replica_metrics():
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for s in family.samples:
+                    labels = {**s.labels, "replica": str(replica)}
+                    if "model_name" in labels:  # the server's name for the model, whatever the replica called it
+                        labels["model_name"] = self.model_name
+                    merged.add_sample(s.name, labels, s.value, s.timestamp)
+        return [*families.values(), *self._router_families()]
+
+    def _router_families(self) -> list[Metric]:
+        router, labels = self.pool.router, ["model_name", "replica"]
+        routed = CounterMetricFamily("pagedllm:router_requests", "Requests routed to each replica.", labels=labels)
+        in_flight = GaugeMetricFamily("pagedllm:router_requests_in_flight", "Requests routed, not finished.",
+                                      labels=labels)
+        healthy = GaugeMetricFamily("pagedllm:replica_healthy", "1 if the router sends requests to the replica.",
+                                    labels=labels)
+        for i, load in enumerate(router.replicas):
+            routed.add_metric([self.model_name, str(i)], load.routed)
+            in_flight.add_metric([self.model_name, str(i)], load.in_flight)
+            healthy.add_metric([self.model_name, str(i)], float(load.healthy))
+        hits = CounterMetricFamily("pagedllm:router_affinity_hits",
+                                   "Requests sent to a replica predicted to hold a prefix of their prompt.",
+                                   labels=["model_name"])
+        hits.add_metric([self.model_name], router.affinity_hits)
+        rerouted = CounterMetricFamily("pagedllm:router_reroutes",
+                                       "Requests routed again after their replica failed before their first output.",
+                                       labels=["model_name"])
+        rerouted.add_metric([self.model_name], router.rerouted)
+        return [routed, in_flight, healthy, hits, rerouted]
