@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.metrics import EngineStats
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -628,13 +629,18 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
 # ---- app and command -------------------------------------------------------------------------------------
 def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
               max_waiting_requests: int = 256, log_interval: float = 5.0,
-              model_path: str | None = None) -> FastAPI:
-    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app."""
+              model_path: str | None = None, dashboard_rate: float | None = 4.0) -> FastAPI:
+    """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app.
+    `dashboard_rate`: KV snapshots per second at most for /dashboard (None: no dashboard)."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats)
+    hub = dashboard.DashboardHub(model_names[0], dashboard_rate, hide_prompts=bool(api_key)) if dashboard_rate else None
+    observer = stats if hub is None else dashboard.Observers(stats, hub)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=observer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if hub is not None:
+            hub.start(engine)  # its first snapshot, before the engine thread owns the engine
         async_engine.start()
         try:
             yield
@@ -647,6 +653,8 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.include_router(router)
+    if hub is not None:
+        dashboard.mount(app, hub)
     return app
 
 
@@ -664,6 +672,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="requests queued beyond this get 503 with Retry-After")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
+    g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")
+    g.add_argument("--dashboard-rate", type=float, default=4.0,
+                   help="/dashboard: KV snapshots per second at most, taken between engine steps")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineConfig.add_cli_args(p)
@@ -686,6 +697,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or engine.model_name]
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_waiting_requests=args.max_waiting_requests,
-                    model_path=args.model or engine.model_name)
+                    model_path=args.model or engine.model_name,
+                    dashboard_rate=None if args.no_dashboard else args.dashboard_rate)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
