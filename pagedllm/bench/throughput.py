@@ -18,6 +18,7 @@ from pagedllm.bench.datasets import (
 )
 from pagedllm.bench.hf_backend import add_hf_args
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.kv_trace import TraceRecorder
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -34,9 +35,20 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if args.save_workload:
         save_workload(requests, args.save_workload)
     workload = describe(requests)
+    trace = None
+    if args.trace:  # recorded inside the timed run: its cost is part of the figure
+        trace = TraceRecorder(llm.engine, args.trace, every=args.trace_every, kv_policy=config.kv_policy,
+                              batching=config.batching, dataset=args.dataset, num_prompts=len(requests))
+        llm.engine.add_step_observer(trace)
     start = time.perf_counter()
     n_out = run_workload(llm, requests)
+    if trace is not None:
+        trace.close()
+        llm.engine.remove_step_observer(trace)
     elapsed = time.perf_counter() - start
+    if trace is not None:
+        print(f"Trace: {args.trace}, {trace.frames} frames of {trace.steps} steps, "
+              f"{os.path.getsize(args.trace) / 1e6:.1f} MB (`pagedllm replay {args.trace}` shows it)")
     n_in = sum(len(r.prompt_token_ids) for r in requests)
     stats = llm.engine.stats()
     result = {
@@ -152,6 +164,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-json", default=None)
     tp.add_argument("--save-workload", default=None, metavar="PATH", help="write the sampled requests as JSONL "
                     '({"prompt_token_ids", "output_len"}), to run the same requests on another engine')
+    tp.add_argument("--trace", default=None, metavar="PATH", help="record the KV cache (snapshots of the block pool, "
+                    "block tables, events) as JSONL, for `pagedllm replay PATH`")
+    tp.add_argument("--trace-every", type=int, default=8, metavar="K", help="--trace: a snapshot every K steps")
     EngineConfig.add_cli_args(tp)
     add_hf_args(tp)
     tp.set_defaults(func=cmd_throughput)

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_events import KVRecorder
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -42,7 +43,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.recorder = KVRecorder()  # what happens to the blocks, for kv_view (a dashboard, a trace)
+        self.pool = BlockPool(num_blocks, self.recorder)
         self.block_tables: dict[Hashable, list[int]] = {}
         self.block_hashes: dict[Hashable, list[int]] = {}  # hashes of the table's registered full blocks
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs not yet handed to the runner
@@ -115,6 +117,9 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += len(prefix.blocks) * self.block_size
+            if prefix.blocks:
+                self.recorder.record("prefix_hit", seq_id, blocks=tuple(prefix.blocks),
+                                     tokens=len(prefix.blocks) * self.block_size)
         for block_id in prefix.blocks:
             self.pool.incref(block_id)
         self.block_tables[seq_id] = list(prefix.blocks)
@@ -141,6 +146,7 @@ class BlockManager:
         self.block_tables[seq_id][position // self.block_size] = dst
         self.copies.append((src, dst))
         self.num_cow_copies += 1
+        self.recorder.record("cow", seq_id, blocks=(src, dst))
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every block of the parent."""
@@ -149,6 +155,7 @@ class BlockManager:
             self.pool.incref(block_id)
         self.block_tables[child_id] = list(table)
         self.block_hashes[child_id] = list(self.block_hashes.get(parent_id, []))
+        self.recorder.record("fork", child_id, blocks=tuple(table))
 
     def free(self, seq_id: Hashable) -> None:
         """Return every block of the sequence; tail first, so the LRU evicts a sequence's tail before its head."""

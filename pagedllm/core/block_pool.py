@@ -10,6 +10,8 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedllm.core.kv_events import KVRecorder
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when a block is taken from an empty pool; the scheduler checks first, so this is a bug."""
@@ -27,8 +29,9 @@ class BlockContent:
 class BlockPool:
     """Hands out block ids; a block is free when no table holds it, and evicted only when taken again."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, recorder: KVRecorder | None = None) -> None:
         self.num_blocks = num_blocks
+        self.recorder = recorder or KVRecorder()  # every change of a block's ref count or cached state
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first out first
         self.cached: dict[int, int] = {}  # hash -> block
@@ -52,15 +55,20 @@ class BlockPool:
         block_id, _ = self.free.popitem(last=False)
         if block_id in self.contents:
             self.num_evictions += 1
+            self.recorder.record("evict", blocks=(block_id,))
             self._forget(block_id)
         self.ref_counts[block_id] = 1
+        self.recorder.changed(block_id)
         return block_id
 
     def evict_cached_free(self) -> None:
         """Empty the prefix cache of every free block (blocks in use keep theirs): vLLM's reset_prefix_cache."""
-        for block_id in [b for b in self.free if b in self.contents]:
+        evicted = [b for b in self.free if b in self.contents]
+        for block_id in evicted:
             self._forget(block_id)
             self.free.move_to_end(block_id, last=False)
+            self.recorder.changed(block_id)
+        self.recorder.record("reset", blocks=tuple(evicted))
 
     def _forget(self, block_id: int) -> None:
         """A free block's registered contents go: it is no longer found by its hash."""
@@ -76,11 +84,13 @@ class BlockPool:
             del self.free[block_id]
             self.num_cached_free -= 1
         self.ref_counts[block_id] += 1
+        self.recorder.changed(block_id)
 
     def release(self, block_id: int) -> None:
         """Drop one reference; when none is left the block is free: last in line if cached, else first."""
         assert self.ref_counts[block_id] > 0, f"block {block_id} released twice"
         self.ref_counts[block_id] -= 1
+        self.recorder.changed(block_id)
         if self.ref_counts[block_id] == 0:
             self.free[block_id] = None
             if block_id in self.contents:

@@ -27,6 +27,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def schedule(self) -> SchedulerOutput:
+        self.block_manager.recorder.step += 1
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
         for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
             if out.budget == 0:
@@ -131,6 +132,9 @@ class Scheduler:
         self.running.remove(group)
         out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq in group.seqs)
         out.scheduled = [s for s in out.scheduled if s.seq not in group.seqs]
+        bm = self.block_manager
+        freed = {b: None for s in group.seqs if bm.has_table(s.seq_id) for b in bm.block_table(s.seq_id)}
+        bm.recorder.record("preempt", request_id=group.request_id, blocks=tuple(freed))
         for seq in group.seqs:
             self.block_manager.free(seq.seq_id)
             if not seq.is_finished:

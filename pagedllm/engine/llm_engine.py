@@ -12,6 +12,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.kv_stats import KVUsage
+from pagedllm.core.kv_view import KVSnapshot, KVView
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.faults import FaultInjector
@@ -123,6 +124,9 @@ class LLMEngine:
         self.failed_steps_in_a_row = 0
         # No text longer than this can fit: no token is longer (a tokenizer that deletes characters would need more)
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
+        self.num_generated_tokens = 0  # every sample's, as /metrics' generation_tokens counts them
+        self._kv_view: KVView | None = None  # made by the first kv_snapshot
+        self._prompt_words: dict[str, str] = {}  # request id -> its prompt's first words, for kv_snapshot
         logger.info("max_model_len %d", self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
@@ -210,6 +214,29 @@ class LLMEngine:
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
                               self.scheduler.num_preemptions, **asdict(self.kv_usage))
 
+    def kv_snapshot(self, since: int | None = None) -> KVSnapshot:
+        """The KV cache as plain data, for a dashboard or a trace: every held block and each request's block tables;
+        with `since` (an earlier snapshot's version) only the blocks changed since. Costs nothing until called."""
+        if self._kv_view is None:
+            self._kv_view = KVView(self.scheduler)
+        snap = self._kv_view.snapshot(since)
+        snap.counters.generated_tokens = self.num_generated_tokens
+        for request in snap.requests:
+            request.prompt = self._first_words(request.request_id)
+        if len(self._prompt_words) > 2 * len(self.groups) + 256:
+            self._prompt_words = {r: w for r, w in self._prompt_words.items() if r in self.groups}
+        return snap
+
+    def _first_words(self, request_id: str, num_words: int = 8) -> str:
+        words = self._prompt_words.get(request_id)
+        if words is None:
+            first = self.groups[request_id].seqs[0]
+            text = first.prompt or self.tokenizer.decode(first.prompt_token_ids[:4 * num_words])
+            cut = text.split()
+            words = " ".join(cut[:num_words]) + (" …" if len(cut) > num_words else "")
+            self._prompt_words[request_id] = words
+        return words
+
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call `observer` with a StepRecord after every step that ran the model."""
         self.observers.append(observer)
@@ -269,7 +296,10 @@ class LLMEngine:
             self.faults.check_model_step(plan)
         sampled = self.runner.execute(plan)
         self.scheduler.commit(plan)
-        return self._process_outputs(plan.sampling_seqs, sampled) if sampled is not None else []
+        if sampled is None:
+            return []
+        self.num_generated_tokens += len(plan.sampling_seqs)
+        return self._process_outputs(plan.sampling_seqs, sampled)
 
     # ---- a failed step ----------------------------------------------------------------------------
     def _isolate(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:

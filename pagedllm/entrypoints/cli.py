@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate, bench."""
+"""The `pagedllm` command: generate, bench, serve, replay."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.api_server import add_serve_command
+from pagedllm.entrypoints.openai.dashboard import add_replay_command
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_commands(bench)
     add_serve_command(sub)
+    add_replay_command(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -39,6 +39,7 @@ from pagedllm.engine.async_engine import (
     RequestStream,
 )
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -694,25 +695,35 @@ def build_app(engine: Any, model_names: list[str], api_key: str | None = None,
               max_waiting_requests: int = 256, log_interval: float = 5.0,
               model_path: str | None = None, engine_factory: Callable[[], Any] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT) -> FastAPI:
+              stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT, dashboard_rate: float | None = 4.0) -> FastAPI:
     """The FastAPI app over an already loaded LLMEngine; the engine thread lives as long as the app. With an
-    `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down)."""
+    `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down).
+    `dashboard_rate`: KV snapshots per second at most for /dashboard (None: no dashboard)."""
     stats = EngineStats(model_names[0], log_interval=log_interval)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=stats, engine_factory=engine_factory)
-    return build_client_app(async_engine, stats, model_names, api_key, model_path, max_request_bytes=max_request_bytes,
-                            body_timeout=body_timeout, stream_send_timeout=stream_send_timeout)
+    hub = dashboard.DashboardHub(model_names[0], dashboard_rate, hide_prompts=bool(api_key)) if dashboard_rate else None
+    observer = stats if hub is None else dashboard.Observers(stats, hub)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, observer=observer, engine_factory=engine_factory)
+    app = build_client_app(async_engine, stats, model_names, api_key, model_path, max_request_bytes=max_request_bytes,
+                           body_timeout=body_timeout, stream_send_timeout=stream_send_timeout,
+                           on_start=None if hub is None else lambda: hub.start(engine))
+    if hub is not None:
+        dashboard.mount(app, hub)
+    return app
 
 
 def build_client_app(engine: Any, stats: Any, model_names: list[str], api_key: str | None = None,
                      model_path: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                      body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT) -> FastAPI:
+                     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+                     on_start: Callable[[], None] | None = None) -> FastAPI:
     """The app over an engine client (an AsyncLLMEngine, or a ReplicaPool of several), started and shut down with
-    the app; `stats.registry` is what /metrics serves."""
+    the app; `stats.registry` is what /metrics serves; `on_start` runs first (the dashboard's first snapshot)."""
     workers = WorkerPool()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_start is not None:
+            on_start()  # before the engine thread owns the engine
         engine.start()
         try:
             yield
@@ -752,6 +763,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="seconds an idle keep-alive connection stays open (uvicorn's)")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
+    g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")
+    g.add_argument("--dashboard-rate", type=float, default=4.0,
+                   help="/dashboard: KV snapshots per second at most, taken between engine steps")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_data_parallel_args(p)
@@ -784,7 +798,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         names = args.served_model_name or [args.model or engine.model_name]
         app = build_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                         model_path=args.model or engine.model_name, engine_factory=functools.partial(LLMEngine, config),
-                        **limits)
+                        dashboard_rate=None if args.no_dashboard else args.dashboard_rate, **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0

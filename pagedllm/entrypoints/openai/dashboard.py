@@ -1,0 +1,252 @@
+"""`/dashboard`: a live view of the paged KV cache (the block pool, each request's block tables, the events), and
+`pagedllm replay`, the same page over a trace recorded by `pagedllm bench throughput --trace`.
+
+Snapshots are taken on the engine thread, by `DashboardHub.record` (an async-engine observer): at most `rate` a
+second while the engine works, and once more when it goes idle, so nothing asks the engine faster than it steps.
+Each is a diff; the hub applies it to its copy of the pool on the event loop and fans it out to the page's event
+streams, so a new page gets the whole picture at once without asking the engine. The page is static HTML + JS
+(package data, no build step, no CDN). It is open like /metrics; with --api-key it does not show prompts' words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm.entrypoints.openai.dashboard")
+STATIC = resources.files("pagedllm.entrypoints.openai") / "static"
+KEEP_ALIVE_S = 15.0
+RECENT_EVENTS = 300  # events a new page gets
+HISTORY_POINTS = 2400  # time-series points a new page gets (10 minutes at 4 a second)
+RESYNC = ""  # put in a slow page's queue instead of the frames it missed: it gets a full frame
+
+
+class DashboardHub:
+    """KV snapshots from the engine thread to every open page; keeps the pool's latest state for new pages."""
+
+    def __init__(self, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+        if rate <= 0:
+            raise ValueError(f"--dashboard-rate must be positive, got {rate}")
+        self.model, self.period, self.hide_prompts = model, 1.0 / rate, hide_prompts
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.version: int | None = None  # engine thread: the last snapshot taken
+        self.last_taken = 0.0
+        self.latest: Any = None  # event loop: the last snapshot published, and the pool it leaves
+        self.states = bytearray()
+        self.refs: list[int] = []
+        self.events: deque[Any] = deque(maxlen=RECENT_EVENTS)
+        self.history: deque[list[float]] = deque(maxlen=HISTORY_POINTS)
+        self.subscribers: set[asyncio.Queue[str]] = set()
+        self.num_snapshots = 0
+
+    def start(self, engine: Any) -> None:
+        """On the event loop, before the engine thread starts: the first (full) snapshot. A dashboard that cannot
+        start is switched off, never the server."""
+        try:
+            self.publish(self.take(engine))
+        except Exception:
+            logger.exception("the dashboard is off: the first KV snapshot failed")
+            return
+        self.loop = asyncio.get_running_loop()
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        """After every step (and after aborts): a snapshot if the last is `period` old, or if the engine is idle."""
+        now = time.monotonic()
+        busy = engine.num_running or engine.num_waiting
+        if self.loop is None or self.loop.is_closed() or (busy and now - self.last_taken < self.period):
+            return
+        self.last_taken = now
+        self.loop.call_soon_threadsafe(self.publish, self.take(engine))
+
+    def take(self, engine: Any) -> Any:
+        snap = engine.kv_snapshot(self.version)
+        self.version = snap.version
+        if self.hide_prompts:
+            for request in snap.requests:
+                request.prompt = ""
+        return snap
+
+    # ---- event loop ---------------------------------------------------------------------------------------
+    def publish(self, snap: Any) -> None:
+        """Apply the snapshot to the hub's pool and send it to every page."""
+        if snap.full:
+            self.states, self.refs = bytearray(snap.num_blocks), [0] * snap.num_blocks
+        blocks = snap.blocks
+        for i in range(0, len(blocks), 3):
+            self.states[blocks[i]], self.refs[blocks[i]] = blocks[i + 1], blocks[i + 2]
+        self.latest = snap
+        self.num_snapshots += 1
+        self.events.extend(snap.events)
+        self.history.append(history_point(snap))
+        if not self.subscribers:
+            return
+        frame = to_json(frame_of(snap))
+        for queue in self.subscribers:
+            if queue.full():  # a page that does not keep up skips to the present
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(RESYNC)
+            else:
+                queue.put_nowait(frame)
+
+    def full_frame(self) -> str:
+        """The whole picture as one full frame: every block not free, the latest requests and counters, the recent
+        events and the time series so far."""
+        snap = self.latest
+        if snap is None:
+            return to_json({"full": True, "mode": "live", "model": self.model, "error": "no snapshot yet"})
+        blocks: list[int] = []
+        for b, state in enumerate(self.states):
+            if state:
+                blocks += (b, state, self.refs[b])
+        return to_json(frame_of(snap, full=True, blocks=blocks, events=list(self.events),
+                                history=list(self.history), mode="live", model=self.model))
+
+    def subscribe(self) -> asyncio.Queue[str]:
+        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
+        self.subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
+        self.subscribers.discard(queue)
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": "live", "model": self.model, "rate": 1.0 / self.period, "hide_prompts": self.hide_prompts}
+
+
+class Replay:
+    """A recorded trace, for `pagedllm replay`: the page fetches it whole and plays it with a time slider."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.header, self.frames = read_trace(path)
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": "replay", "model": self.header.get("model"), "path": self.path, "frames": len(self.frames)}
+
+
+class Observers:
+    """Several async-engine observers as one (the async engine takes one): each failure is logged on its own."""
+
+    def __init__(self, *observers: Any) -> None:
+        self.observers = observers
+
+    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        for observer in self.observers:
+            try:
+                observer.record(engine, outputs)
+            except Exception:
+                logger.exception("observer %s failed", type(observer).__name__)
+
+
+# ---- routes ----------------------------------------------------------------------------------------------------
+router = APIRouter()
+
+
+def source_of(request: Request) -> DashboardHub | Replay:
+    return request.app.state.dashboard
+
+
+def static_text(name: str) -> str:
+    return (STATIC / name).read_text(encoding="utf-8")
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard_page() -> HTMLResponse:
+    return HTMLResponse(static_text("dashboard.html"))
+
+
+@router.get("/dashboard/dashboard.js")
+async def dashboard_script() -> Response:
+    return Response(static_text("dashboard.js"), media_type="text/javascript")
+
+
+@router.get("/dashboard/info")
+async def dashboard_info(raw: Request) -> JSONResponse:
+    return JSONResponse(source_of(raw).info())
+
+
+@router.get("/dashboard/snapshot")
+async def dashboard_snapshot(raw: Request) -> Response:
+    """The live page's first frame, for curl and tests."""
+    source = source_of(raw)
+    if not isinstance(source, DashboardHub):
+        return JSONResponse({"error": "a replay has no live snapshot: see /dashboard/trace"}, 404)
+    return Response(source.full_frame(), media_type="application/json")
+
+
+@router.get("/dashboard/events")
+async def dashboard_events(raw: Request) -> Response:
+    """Server-sent events: a full frame, then every snapshot the hub publishes (a comment every 15 s when idle)."""
+    hub = source_of(raw)
+    if not isinstance(hub, DashboardHub):
+        return JSONResponse({"error": "a replay has no live events: see /dashboard/trace"}, 404)
+    return StreamingResponse(event_stream(hub), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def event_stream(hub: DashboardHub) -> AsyncIterator[str]:
+    queue = hub.subscribe()
+    try:
+        yield f"data: {hub.full_frame()}\n\n"
+        while True:
+            try:
+                frame = await asyncio.wait_for(queue.get(), KEEP_ALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            yield f"data: {frame or hub.full_frame()}\n\n"
+    finally:
+        hub.unsubscribe(queue)
+
+
+@router.get("/dashboard/trace")
+async def dashboard_trace(raw: Request) -> Response:
+    """The whole trace as JSONL (header first), for the page's player."""
+    replay = source_of(raw)
+    if not isinstance(replay, Replay):
+        return JSONResponse({"error": "no trace: this server is live, see /dashboard/events"}, 404)
+    return Response("\n".join([to_json(replay.header), *replay.frames]) + "\n", media_type="application/x-ndjson")
+
+
+def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
+    app.state.dashboard = source
+    app.include_router(router)
+
+
+# ---- pagedllm replay -------------------------------------------------------------------------------------------
+def build_replay_app(path: str) -> FastAPI:
+    app = FastAPI(title="pagedllm replay")
+    mount(app, Replay(path))
+    return app
+
+
+def add_replay_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="serve the KV cache dashboard over a trace of `bench throughput --trace`")
+    p.add_argument("trace", help="a JSONL trace written by `pagedllm bench throughput --trace PATH`")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_replay)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_replay_app(args.trace)
+    print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
+          f"open http://{args.host}:{args.port}/dashboard")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
