@@ -131,12 +131,15 @@ class KVView:
             full, blocks = True, [b for b, rc in enumerate(self.pool.ref_counts) if rc or b in self.pool.contents]
             events, dropped = self.recorder.events_since(0, MAX_EVENTS_PER_SNAPSHOT)
         else:
-            full, blocks = False, sorted(changed | reserved | mark.reserved)
+            full, blocks = False, sorted(changed | (reserved ^ mark.reserved))  # a block filled without a pool change
             events, dropped = self.recorder.events_since(mark.num_events, MAX_EVENTS_PER_SNAPSHOT)
         triples: list[int] = []
         for b in blocks:
             triples += (b, self._state(b, reserved), self.pool.ref_counts[b])
         requests = [self._request_view(g, running) for g, running in groups]
+        if len(self.names) > 8192:  # forget the sequences that are gone
+            live = {seq.seq_id for g, _ in groups for seq in g.seqs}
+            self.names = {k: v for k, v in self.names.items() if k in live}
         self.version += 1
         self.marks[self.version] = _Mark(self.recorder.num_changes, self.recorder.num_events, reserved)
         while len(self.marks) > self.keep:
@@ -187,9 +190,6 @@ class KVView:
 
     def _counters(self) -> KVCounters:
         bm, pool, s, counts = self.block_manager, self.pool, self.scheduler, self.recorder.counts
-        if len(self.names) > 8192:  # forget the sequences that are gone
-            live = {seq.seq_id for g, _ in self._listed_groups() for seq in g.seqs}
-            self.names = {k: v for k, v in self.names.items() if k in live}
         return KVCounters(pool.num_blocks, pool.num_used, pool.num_cached_free, len(s.running), len(s.waiting),
                           bm.num_cow_copies, counts["fork"], s.num_preemptions, pool.num_evictions,
                           bm.prefix_cache_hits, bm.prefix_cache_queries)
