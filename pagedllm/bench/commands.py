@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench import attention, latency, serve, sharing, throughput
+from pagedllm.bench import attention, latency, serve, sharing, structured, throughput
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    for module in (throughput, sharing, serve, latency, attention):
+    for module in (throughput, sharing, serve, latency, attention, structured):
         module.add_command(sub)

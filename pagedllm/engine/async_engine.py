@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
@@ -127,6 +127,11 @@ class AsyncLLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """The engine's checked tokenization; reads nothing the loop thread changes."""
         return self.engine.tokenize_prompt(prompt)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output grammar into the engine's cache in a worker thread (the compiler is thread-safe
+        and drops the GIL), so neither the event loop nor the loop thread waits for a big schema."""
+        await asyncio.to_thread(self.engine.compile_grammar, spec)
 
     @property
     def is_alive(self) -> bool:
