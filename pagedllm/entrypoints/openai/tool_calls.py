@@ -134,15 +134,21 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any])
 def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
     """Split model output into its content and its well-formed calls. A block that is not a JSON call stays in the
     content. Unless `final`, a call still being written and a trailing partial `<tool_call>` tag are held back;
-    when final, an unclosed last block that is a whole call counts (the model stopped before the closing tag)."""
+    when final, an unclosed last block that is a whole call counts (the model stopped before the closing tag).
+    Whitespace-only text after a call is dropped."""
     content, calls, pos = [], [], 0
+
+    def add(piece: str) -> None:  # whitespace after a call (the "\n" between calls) is not content
+        if piece.strip() or pos == 0:
+            content.append(piece)
+
     while True:
         start = text.find(CALL_OPEN, pos)
         if start == -1:
             tail = text[pos:]
-            content.append(tail if final else tail[:len(tail) - _partial_tag(tail)])
+            add(tail if final else tail[:len(tail) - _partial_tag(tail)])
             break
-        content.append(text[pos:start])
+        add(text[pos:start])
         end = text.find(CALL_CLOSE, start)
         body = text[start + len(CALL_OPEN):end if end != -1 else len(text)]
         if end == -1 and not final:
