@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineConfig": "pagedllm.config",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "BeamSearchOutput": "pagedllm.outputs",
     "BeamSearchSequence": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",

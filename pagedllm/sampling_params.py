@@ -2,11 +2,55 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.errors import InvalidRequestError
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator.manual_seed takes [-2**63, 2**64); sample i draws seed + i
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar, as vLLM names it: exactly one of a JSON schema, any JSON object, a regex,
+    a list of choices or a grammar (Lark in llguidance's dialect, or GBNF). The engine compiles it when the request
+    arrives; one that does not compile is an InvalidRequestError."""
+
+    json: dict | str | None = None  # a JSON schema (dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object (response_format {"type": "json_object"})
+    disable_any_whitespace: bool = False  # JSON: no whitespace at all between tokens ("," and ":" only)
+    whitespace_pattern: str | None = None  # JSON: a regex for the whitespace between tokens
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured outputs take exactly one of json, regex, choice, grammar, "
+                                      f"json_object; got {', '.join(kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("structured outputs: json must be a JSON schema (an object or its text)")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured outputs: choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"structured outputs: {name} must be a string")
+
+    @property
+    def kind(self) -> str:
+        """Which of the constraints this is: json, regex, choice, grammar or json_object."""
+        return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None),
+                    "json_object")
+
+    def key(self) -> str:
+        """The request's grammar as one canonical text: the compiled-grammar cache's key."""
+        fields: dict[str, Any] = {self.kind: getattr(self, self.kind)}
+        if self.kind in ("json", "json_object"):
+            fields.update(ws=self.whitespace_pattern, compact=self.disable_any_whitespace)
+        return _json.dumps(fields, sort_keys=True, ensure_ascii=False)
 
 
 @dataclass
@@ -30,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
 
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -43,6 +88,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -71,6 +118,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop_list), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:

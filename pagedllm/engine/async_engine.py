@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
@@ -158,6 +158,11 @@ class AsyncLLMEngine:
         if engine is None:
             raise EngineRestartingError(self._restarting_message())
         return engine.tokenize_prompt(prompt)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output grammar into the engine's cache in a worker thread (the compiler is thread-safe
+        and drops the GIL), so neither the event loop nor the loop thread waits for a big schema."""
+        await asyncio.to_thread(self.engine.compile_grammar, spec)
 
     @property
     def is_alive(self) -> bool:

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.kv_stats import KVUsage
@@ -17,13 +19,14 @@ from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.step_timers import StepTimers
+from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
 from pagedllm.model.model_runner import ModelRunner
-from pagedllm.model.sampler import SamplerOutput
+from pagedllm.model.sampler import GrammarMask, SamplerOutput
 from pagedllm.model.tokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 MAX_FAILED_STEPS_IN_A_ROW = 8  # steps in which nothing ran: the model fails whatever it runs
@@ -119,6 +122,9 @@ class LLMEngine:
         self.kv_usage = KVUsage()
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                                  num_threads=1)
+        self.matchers: dict[int, Any] = {}  # by seq_id: the grammar state of structured-output sequences
         self.observers: list[StepObserver] = []
         self.failed: dict[str, BaseException] = {}  # requests a step failed on, until pop_failed_requests()
         self.failed_steps_in_a_row = 0
@@ -160,6 +166,8 @@ class LLMEngine:
         if room < 1:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
+        spec = params.structured_outputs
+        matchers = self.structured.new_matchers(spec, params.n) if spec is not None else []
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
         group = SequenceGroup.make(seq)
@@ -167,8 +175,16 @@ class LLMEngine:
         self.groups[request_id] = group
         for s in group.seqs:
             self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        for s, matcher in zip(group.seqs, matchers):  # every sample starts in the grammar's start state
+            self.matchers[s.seq_id] = matcher
         self.scheduler.add(group)
         return seq
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile a structured-output request's grammar ahead of add_request, which then finds it in the cache;
+        a grammar the compiler refuses raises InvalidRequestError. Thread-safe: the server calls it off its event
+        loop and off the engine's thread, so a big schema's compile stalls neither."""
+        return self.structured.compile(spec)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
@@ -294,7 +310,7 @@ class LLMEngine:
         """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
         if self.faults is not None:
             self.faults.check_model_step(plan)
-        sampled = self.runner.execute(plan)
+        sampled = self.runner.execute(plan, self._grammar_mask(plan.sampling_seqs) if self.matchers else None)
         self.scheduler.commit(plan)
         if sampled is None:
             return []
@@ -365,6 +381,15 @@ class LLMEngine:
         self.failed[group.request_id] = error
 
     # ---- outputs ----------------------------------------------------------------------------------
+    def _grammar_mask(self, sampling: list[Sequence]) -> GrammarMask | None:
+        """The next tokens each structured-output sequence's grammar allows, for its sampling row; None if no
+        sequence of the step has a grammar."""
+        rows = [(row, m) for row, seq in enumerate(sampling) if (m := self.matchers.get(seq.seq_id)) is not None]
+        if not rows:
+            return None
+        return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64),
+                           self.structured.fill_bitmask([m for _, m in rows]))
+
     def _process_outputs(self, sampling: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Each sampled token through the stop checks and the detokenizer; a request that raises here fails alone."""
         touched: dict[str, SequenceGroup] = {}
@@ -391,14 +416,28 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_entry(seq, token, sampled, row))
         now = time.time()
         seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        matcher = self.matchers.get(seq.seq_id)
+        grammar_done = matcher is not None and self._advance_grammar(seq, matcher, token)
         if self._is_stop_token(seq, token):  # its text is not part of the output
             seq.finish("stop", token if token in seq.params.stop_token_ids else None)
         else:
             delta = self.detokenizers[seq.seq_id].step([token])
             seq.output_text += delta
             self._check_stop_strings(seq, len(delta))
+        if not seq.is_finished and grammar_done:  # only EOS could follow: end now, without a step for it
+            seq.finish("stop")
         if not seq.is_finished and (seq.num_output_tokens >= seq.max_tokens):
             seq.finish("length")
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, matcher: Any, token: int) -> bool:
+        """Move the sequence's grammar past its new token; True when the grammar is complete. A token the grammar
+        refuses (the mask left nothing to sample) ends the sequence: the matcher cannot recover from it."""
+        if not matcher.consume_token(token):
+            logger.warning("request %s: token %d breaks its grammar (%s); ending it", seq.request_id, token,
+                           matcher.get_error().splitlines()[0] if matcher.get_error() else "")
+            return True
+        return matcher.is_stopped()
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         p = seq.params
@@ -438,6 +477,7 @@ class LLMEngine:
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
                 self.detokenizers.pop(seq.seq_id, None)
+                self.matchers.pop(seq.seq_id, None)
         if group.is_finished:
             group.seqs[0].metrics.finished_time = time.time()
             self.groups.pop(group.request_id, None)

@@ -17,7 +17,7 @@ from pagedllm.model.attention import is_fast_path_available
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata, LlamaModel
 from pagedllm.model.loader import ModelConfig, load_model
-from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
 from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -111,8 +111,9 @@ class ModelRunner:
         return input_ids, positions, meta, torch.repeat_interleave(query_start_loc[1:] - 1, fan_out)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> SamplerOutput | None:
-        """One model step; returns the tokens of the sequences that sample, in plan order (None if none do)."""
+    def execute(self, plan: SchedulerOutput, grammar: GrammarMask | None = None) -> SamplerOutput | None:
+        """One model step; returns the tokens of the sequences that sample, in plan order (None if none do).
+        `grammar`: the tokens allowed on the structured-output rows (a step with one takes the full sampling path)."""
         self.copy_blocks(plan.copies)
         input_ids, positions, meta, logit_rows = self.prepare(plan)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -122,7 +123,7 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, grammar=grammar)
         if batch.is_plain_greedy and self.model.ext is not None:
             return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows]))
         return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)

@@ -10,11 +10,21 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+
+
+@dataclass
+class GrammarMask:
+    """The tokens a grammar allows next, for the constrained sampling rows of a step (the engine's matchers fill it;
+    unconstrained rows are not in it)."""
+
+    rows: torch.Tensor  # int64 [R]: the sampling rows the grammar constrains
+    bitmask: torch.Tensor  # int32 [R, ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed (llguidance's)
 
 
 @dataclass
@@ -40,6 +50,7 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf by min_tokens
     generators: dict[int, torch.Generator]  # row -> the request's generator, for seeded non-greedy rows
     num_logprobs: int | None  # K = most top logprobs any row asked for; None if nobody asked
+    grammar: GrammarMask | None = None  # structured outputs: -inf on the tokens their grammar forbids
 
     @classmethod
     def build(
@@ -51,6 +62,7 @@ class SamplingBatch:
         vocab_size: int,
         *,
         eos_token_ids: Collection[int] = (),
+        grammar: GrammarMask | None = None,
     ) -> SamplingBatch:
         """Gather the rows' parameters into [S] tensors and their token histories into [S, V] counts.
 
@@ -111,12 +123,14 @@ class SamplingBatch:
                 if gen is not None and not p.greedy
             },
             num_logprobs=min(max(requested), vocab) if requested else None,
+            grammar=grammar,
         )
 
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs the whole distribution: the top candidates and logsumexp suffice."""
-        return self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
+        return (self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
+                and self.grammar is None)
 
     @property
     def num_rows(self) -> int:
@@ -134,11 +148,14 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None = None) -> SamplerOutput:
     """Pick one token per row of logits [S, V] (any float dtype; computed in float32); unseeded rows draw from `rng`.
 
-    Logprobs (chosen and top-K) are those of the raw model output, log_softmax(logits) before penalties,
-    temperature and truncation, as vLLM V1 returns by default ("raw_logprobs").
-    Order: penalties -> min_tokens ban -> greedy argmax | temperature -> top-k -> top-p -> min-p -> draw.
+    Logprobs (chosen and top-K) are those of the model output after the grammar mask, log_softmax(logits) before
+    penalties, temperature and truncation, as vLLM V1 returns by default ("raw_logprobs").
+    Order: grammar mask -> penalties -> min_tokens ban -> greedy argmax | temperature -> top-k -> top-p -> min-p
+    -> draw.
     """
     raw = logits.float()
+    if batch.grammar is not None:
+        apply_grammar_mask_(raw, batch.grammar)
     x = raw
     if batch.output_counts is not None:
         x = apply_penalties(x, batch)
@@ -159,6 +176,18 @@ def sample_greedy_from_top(values: torch.Tensor, ids: torch.Tensor, lse: torch.T
     best = values.max(dim=-1, keepdim=True).values
     token_ids = torch.where(values == best, ids, torch.iinfo(torch.int64).max).min(dim=-1).values
     return SamplerOutput(token_ids=token_ids, logprobs=best.squeeze(1) - lse, top_logprobs=None)
+
+
+def apply_grammar_mask_(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """-inf on every token the grammar forbids, in place, on the mask's rows only. Plain torch and numpy (llguidance's
+    own torch helper is torch.compile'd: seconds and a C++ compiler on first use)."""
+    vocab = logits.shape[-1]
+    bits = np.unpackbits(mask.bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    forbidden = torch.from_numpy(bits).view(torch.bool).logical_not_()
+    if mask.rows.shape[0] == logits.shape[0]:  # every row constrained: the rows are 0..S-1 in order
+        logits.masked_fill_(forbidden, _NEG_INF)
+    else:
+        logits[mask.rows] = logits[mask.rows].masked_fill_(forbidden, _NEG_INF)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

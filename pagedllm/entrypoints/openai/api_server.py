@@ -67,20 +67,31 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     now,
     random_id,
+)
+from pagedllm.entrypoints.openai.response_format import structured_outputs_of, tool_mode
+from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    parse_tool_calls,
+    render_tool_messages,
+    template_knows_tools,
 )
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -262,10 +273,19 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+
+async def compile_grammar(engine: AsyncLLMEngine, params: SamplingParams) -> None:
+    """Compile a structured-output request's grammar before it is queued, in a worker thread: a big schema stalls
+    neither the event loop nor the engine's steps, and a grammar the compiler refuses is a 400."""
+    compile_ahead = getattr(engine, "compile_grammar", None)  # replicas compile when the request reaches them
+    if params.structured_outputs is not None and compile_ahead is not None:
+        with engine_errors():
+            await compile_ahead(params.structured_outputs)
 
 
 def submit_choices(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -471,6 +491,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     for ids in prompts:
         ctx.check_fits(len(ids), req.max_tokens)
     echoes = [ctx.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+    await compile_grammar(ctx.engine, params)
     request_id = random_id("cmpl")
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, prompts, params, req.n)
@@ -549,14 +570,17 @@ def message_chars(messages: list[ChatMessage]) -> int:
                for m in messages)
 
 
-async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The conversation through the model's chat template, as token ids (no second BOS); a long one in a worker
-    thread, and one longer than any context refused before it is tokenized."""
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The conversation through the model's chat template, as token ids (no second BOS); with `tools`, the tools
+    and any tool calls and results in the template's way, or Hermes-style (tool_calls.py). A long one is rendered
+    in a worker thread, and one longer than any context refused before it is tokenized."""
     dicts = [message_dict(m) for m in messages]
+    dicts, extra = render_tool_messages(dicts, tools, template_knows_tools(ctx.tokenizer.chat_template))
 
     def render() -> list[int]:
         try:
-            text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+            text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         ctx.check_prompt_chars(text, "messages")
@@ -581,26 +605,52 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
     params = sampling_params(req, max_tokens, top_n)
-    prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt), "messages")
+    tools = tool_mode(req) != "none"
+    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
+    prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
+                                "messages")
     ctx.check_fits(len(prompt), max_tokens)
+    await compile_grammar(ctx.engine, params)
     request_id = random_id("chatcmpl")
     with engine_errors():
         streams = submit_choices(ctx.engine, request_id, [prompt], params, req.n)
     if req.stream:
-        return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams), streams,
+        return SSEResponse(chat_events(req, request_id, model, prompt, top_n, streams, tools), streams,
                            ctx.stream_send_timeout)
     finals = await collect_unless_disconnected(raw, streams, req.n)
     if finals is None:
         return Response(status_code=499)
-    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), **finish_fields(c),
+    choices = [ChatChoice(index=i, **chat_message(c, tools),
                           logprobs=None if top_n is None else chat_logprobs(c, 0, top_n))
                for i, c in enumerate(finals)]
     return json_response(ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                                 usage=usage([prompt], sum(len(c.token_ids) for c in finals))))
 
 
+def chat_message(c: CompletionOutput, tools: bool) -> dict[str, Any]:
+    """A choice's message and finish fields: with tools, the calls parsed out of the text (finish_reason
+    "tool_calls" when the model ended after writing some)."""
+    fields = finish_fields(c)
+    if not tools:
+        return {"message": ChatResponseMessage(content=c.text), **fields}
+    content, calls = parse_tool_calls(c.text)
+    if calls and c.finish_reason == "stop":
+        fields["finish_reason"] = "tool_calls"
+    return {"message": ChatResponseMessage(
+        content=content.strip() or None,
+        tool_calls=[ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                    for call in calls] or None), **fields}
+
+
+def tool_call_deltas(stream: ToolCallStream, calls: list) -> list[DeltaToolCall]:
+    first = len(stream.calls) - len(calls)
+    return [DeltaToolCall(index=first + k, id=call.id, type="function",
+                          function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+            for k, call in enumerate(calls)]
+
+
 async def chat_events(req: ChatCompletionRequest, request_id: str, model: str, prompt: list[int],
-                      top_n: int | None, streams: list[RequestStream]) -> AsyncIterator[str]:
+                      top_n: int | None, streams: list[RequestStream], tools: bool = False) -> AsyncIterator[str]:
     created = now()
 
     def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
@@ -608,6 +658,7 @@ async def chat_events(req: ChatCompletionRequest, request_id: str, model: str, p
                                        usage=usage_info))
 
     sent = [ChoiceProgress() for _ in range(req.n)]
+    calls = [ToolCallStream() for _ in range(req.n)]
     try:
         for i in range(req.n):  # the role first, as OpenAI does, before any token is ready
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -618,8 +669,16 @@ async def chat_events(req: ChatCompletionRequest, request_id: str, model: str, p
                 continue
             logprobs = None if top_n is None else chat_logprobs(c, progress.num_tokens, top_n)
             progress.text_len, progress.num_tokens = len(c.text), len(c.token_ids)
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                          **finish_fields(c))])
+            message, fields = DeltaMessage(content=delta), finish_fields(c)
+            if tools:  # content outside the calls as it comes; each call once it is complete
+                content, new_calls = calls[i].update(c.text, final=c.finish_reason is not None)
+                message = DeltaMessage(content=content or None,
+                                       tool_calls=tool_call_deltas(calls[i], new_calls) or None)
+                if calls[i].calls and c.finish_reason == "stop":
+                    fields["finish_reason"] = "tool_calls"
+                if not (content or new_calls or c.finish_reason or logprobs):
+                    continue
+            yield chunk([ChatStreamChoice(index=i, delta=message, logprobs=logprobs, **fields)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage([prompt], sum(p.num_tokens for p in sent)))
     except Exception as e:

@@ -1,0 +1,170 @@
+"""Structured outputs: a request's StructuredOutputsParams compiled by llguidance against the model's vocabulary, and
+one matcher per sequence that says, before each token, which tokens keep the output inside the grammar.
+
+llguidance (Rust, no Python dependencies, vLLM's `guidance` backend) rather than xgrammar: xgrammar cannot be
+installed without transformers and triton (~1.1 GB that a CPU engine never uses) and let raw control characters into
+JSON strings in our tests; docs/structured-outputs.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance as llg
+import torch
+
+from pagedllm.errors import InvalidRequestError
+from pagedllm.model.tokenizer import Tokenizer
+from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm")
+
+# JSON whitespace is bounded: llguidance's default (any run of whitespace wherever JSON allows it) lets a small model
+# write newlines until max_tokens, which ends the output as invalid JSON.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+
+# Keywords whose value is a subschema, a list of subschemas, or a map of name -> subschema.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+              "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists properties and says nothing
+    of extra keys, as vLLM and OpenAI's strict mode do: JSON schema allows any extra key by default, and a small
+    model under the mask then invents keys. Walks subschemas only (never into const, enum or default values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = [close_objects(s) for s in out[key]] if isinstance(out[key], list) else close_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
+    """llguidance's JSON layout options for a request: bounded whitespace, or none at all."""
+    if spec.disable_any_whitespace:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": spec.whitespace_pattern or JSON_WHITESPACE}
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The request's constraint as an llguidance grammar (not yet checked: the matcher does that)."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema: Any = {"type": "object"} if kind == "json_object" else spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("the JSON schema must be an object")
+        return llg.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=json_options(spec))
+    if kind == "regex":
+        # \d is Unicode in Rust's regex (it matched '४'); regex_to_lark makes it [0-9] and escapes "/" for /.../.
+        return llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(spec.regex, 'd')}/")
+    if kind == "choice":
+        return llg.grammar_from("choice", json.dumps(spec.choice))
+    try:  # Lark (llguidance's dialect) as is, GBNF ("root ::= ...") converted to Lark
+        return llg.grammar_from("grammar", spec.grammar)
+    except ValueError as e:
+        raise InvalidRequestError(f"the grammar does not parse: {e}") from None
+
+
+@dataclass
+class CompiledGrammar:
+    """A grammar compiled against the vocabulary: a matcher in its start state that sequences copy."""
+
+    grammar: str
+    matcher: llg.LLMatcher
+    compile_s: float
+
+
+class StructuredOutputManager:
+    """Compiles grammars (cached by their text, thread-safe, so a server compiles off its event loop and off the
+    engine's thread) and fills the token bitmask of the constrained rows of a step."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = 256, num_threads: int = 1) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width, which the bitmask covers
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache_size = cache_size
+        self.bitmask_words = (vocab_size + 31) // 32
+        self.num_threads = num_threads
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lltokenizer: llg.LLTokenizer | None = None
+        self._executor: llg.LLExecutor | None = None
+
+    @property
+    def lltokenizer(self) -> llg.LLTokenizer:
+        """The vocabulary as llguidance sees it, built on first use (~0.25 s for 49k tokens): engines that never
+        get a structured request never pay for it."""
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = llg.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                    eos_token=self.eos_token_ids)
+            return self._lltokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of `spec`, from the cache or compiled now (llguidance drops the GIL while it
+        compiles); a grammar the compiler refuses raises InvalidRequestError."""
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        start = time.perf_counter()
+        grammar = grammar_text(spec)
+        matcher = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)  # never raises: errors are a state
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid {spec.kind} for structured outputs: {short_error(matcher.get_error())}")
+        matcher.compute_bitmask()  # builds the first lexer states now, not in a step
+        compiled = CompiledGrammar(grammar, matcher, time.perf_counter() - start)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_matchers(self, spec: StructuredOutputsParams, n: int) -> list[llg.LLMatcher]:
+        """One matcher per sample, each in the grammar's start state (a copy costs ~2 us)."""
+        compiled = self.compile(spec)
+        return [compiled.matcher.deep_copy() for _ in range(n)]
+
+    def fill_bitmask(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
+        """int32 [len(matchers), ceil(V / 32)]: bit t % 32 of word t // 32 of row i is set when matcher i allows
+        token t next. One call for the batch; llguidance computes the rows without the GIL."""
+        bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=self.num_threads)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               self.bitmask_words * 4, len(matchers))
+        return bitmask
+
+
+def short_error(message: str, limit: int = 300) -> str:
+    """llguidance's errors can quote the whole grammar: a client gets the first line and the `error:` lines."""
+    lines = [line.strip() for line in message.strip().splitlines()] or ["unknown error"]
+    text = " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])
+    return text if len(text) <= limit else text[:limit] + "..."
