@@ -682,8 +682,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine.llm_engine import LLMEngine
 
     if args.max_waiting_requests < 1:
@@ -699,5 +697,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_waiting_requests=args.max_waiting_requests,
                     model_path=args.model or engine.model_name,
                     dashboard_rate=None if args.no_dashboard else args.dashboard_rate)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    dashboard.uvicorn_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level).run()
     return 0
