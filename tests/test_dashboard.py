@@ -207,6 +207,26 @@ def test_event_stream_diffs_rebuild_the_snapshot(server: Server) -> None:
     assert {k: v for k, v in mirror.items() if v[0]} == {b[i]: (b[i + 1], b[i + 2]) for i in range(0, len(b), 3)}
 
 
+def test_an_open_page_does_not_keep_the_server_from_stopping(tiny_model_dir: str, tmp_path: Path) -> None:
+    """uvicorn waits for open connections when it stops; the event streams end first, or SIGTERM would hang."""
+    with launch(tiny_model_dir, tmp_path / "server.log", "--num-blocks", "16") as s:
+        opened = threading.Event()
+
+        def listen() -> None:
+            with httpx.stream("GET", f"{s.url}/dashboard/events", timeout=60) as r:
+                for _ in r.iter_lines():
+                    opened.set()
+
+        reader = threading.Thread(target=listen, daemon=True)
+        reader.start()
+        assert opened.wait(30)
+        s.proc.terminate()
+        s.proc.wait(20)  # uvicorn ends by re-raising SIGTERM once it has shut down
+        assert "Application shutdown complete" in s.log_tail()
+        reader.join(10)
+        assert not reader.is_alive()
+
+
 def test_no_dashboard_and_a_dashboard_that_cannot_start() -> None:
     """--no-dashboard: no routes. An engine without snapshots: the server serves, the dashboard says why not."""
     from fastapi.testclient import TestClient

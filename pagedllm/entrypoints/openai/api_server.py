@@ -833,8 +833,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine.llm_engine import LLMEngine
 
     for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
@@ -858,8 +856,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                         model_path=args.model or engine.model_name, engine_factory=functools.partial(LLMEngine, config),
                         dashboard_rate=None if args.no_dashboard else args.dashboard_rate, **limits)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=args.timeout_keep_alive)
+    dashboard.uvicorn_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                             timeout_keep_alive=args.timeout_keep_alive).run()
     return 0
 
 

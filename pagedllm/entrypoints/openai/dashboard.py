@@ -30,7 +30,8 @@ STATIC = resources.files("pagedllm.entrypoints.openai") / "static"
 KEEP_ALIVE_S = 15.0
 RECENT_EVENTS = 300  # events a new page gets
 HISTORY_POINTS = 2400  # time-series points a new page gets (10 minutes at 4 a second)
-RESYNC = ""  # put in a slow page's queue instead of the frames it missed: it gets a full frame
+RESYNC = "resync"  # put in a slow page's queue instead of the frames it missed: it gets a full frame
+CLOSE = "close"  # ends a page's stream (frames are JSON objects, never these words)
 
 
 class DashboardHub:
@@ -50,6 +51,7 @@ class DashboardHub:
         self.history: deque[list[float]] = deque(maxlen=HISTORY_POINTS)
         self.subscribers: set[asyncio.Queue[str]] = set()
         self.num_snapshots = 0
+        self.closed = False
 
     def start(self, engine: Any) -> None:
         """On the event loop, before the engine thread starts: the first (full) snapshot. A dashboard that cannot
@@ -95,12 +97,27 @@ class DashboardHub:
             return
         frame = to_json(frame_of(snap))
         for queue in self.subscribers:
-            if queue.full():  # a page that does not keep up skips to the present
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(RESYNC)
-            else:
-                queue.put_nowait(frame)
+            self._put(queue, frame, RESYNC)  # a page that does not keep up skips to the present
+
+    @staticmethod
+    def _put(queue: asyncio.Queue[str], item: str, instead: str) -> None:
+        """`item`, or if the queue is full, `instead` of everything in it."""
+        if queue.full():
+            while not queue.empty():
+                queue.get_nowait()
+            item = instead
+        queue.put_nowait(item)
+
+    def close(self) -> None:
+        """End every page's stream (thread-safe): uvicorn waits for open connections before it stops, and an
+        event stream never ends by itself."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._close)
+
+    def _close(self) -> None:
+        self.closed = True
+        for queue in self.subscribers:
+            self._put(queue, CLOSE, CLOSE)
 
     def full_frame(self) -> str:
         """The whole picture as one full frame: every block not free, the latest requests and counters, the recent
@@ -202,13 +219,15 @@ async def event_stream(hub: DashboardHub) -> AsyncIterator[str]:
     queue = hub.subscribe()
     try:
         yield f"data: {hub.full_frame()}\n\n"
-        while True:
+        while not hub.closed:
             try:
                 frame = await asyncio.wait_for(queue.get(), KEEP_ALIVE_S)
             except asyncio.TimeoutError:
                 yield ": keep-alive\n\n"
                 continue
-            yield f"data: {frame or hub.full_frame()}\n\n"
+            if frame == CLOSE:
+                return
+            yield f"data: {hub.full_frame() if frame == RESYNC else frame}\n\n"
     finally:
         hub.unsubscribe(queue)
 
@@ -227,6 +246,21 @@ def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
     app.include_router(router)
 
 
+def uvicorn_server(app: FastAPI, **config: Any) -> Any:
+    """uvicorn's server for `app`; on Ctrl+C or SIGTERM it first ends the dashboard's event streams, which would
+    otherwise keep it waiting for their connections to close (as long as a page stays open)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            source = getattr(app.state, "dashboard", None)
+            if isinstance(source, DashboardHub):
+                source.close()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, **config))
+
+
 # ---- pagedllm replay -------------------------------------------------------------------------------------------
 def build_replay_app(path: str) -> FastAPI:
     app = FastAPI(title="pagedllm replay")
@@ -243,10 +277,8 @@ def add_replay_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    import uvicorn
-
     app = build_replay_app(args.trace)
     print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
           f"open http://{args.host}:{args.port}/dashboard")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn_server(app, host=args.host, port=args.port, log_level="warning").run()
     return 0
