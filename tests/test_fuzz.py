@@ -54,6 +54,8 @@ def test_no_request_gets_a_server_error(fuzz_server: Server, method: str, path: 
               suppress_health_check=list(HealthCheck))
     @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     def check(case: schemathesis.Case) -> None:
+        if mode == "positive" and isinstance(case.body, dict):
+            case.body.pop("model", None)  # a random model name is a 404 before anything else: reach the engine
         response = case.call(base_url=fuzz_server.url, timeout=120)
         assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
 

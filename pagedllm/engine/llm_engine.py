@@ -298,7 +298,7 @@ class LLMEngine:
             outputs = self._run(plan)
         except Exception as error:
             outputs = self._isolate(plan, error)
-        self.kv_usage.record_step(self.block_manager, self.scheduler.running)
+            self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         if self.observers:
             record = StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
                                 outputs)
@@ -306,12 +306,14 @@ class LLMEngine:
                 observer(record)
         return outputs
 
-    def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
+    def _run(self, plan: SchedulerOutput, whole_step: bool = True) -> list[RequestOutput]:
         """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
         if self.faults is not None:
             self.faults.check_model_step(plan)
         sampled = self.runner.execute(plan, self._grammar_mask(plan.sampling_seqs) if self.matchers else None)
         self.scheduler.commit(plan)
+        if whole_step:  # KV held vs stored, before finished sequences leave (a failed step counts once, at its end)
+            self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         if sampled is None:
             return []
         self.num_generated_tokens += len(plan.sampling_seqs)
@@ -350,7 +352,7 @@ class LLMEngine:
                   failed: list[SequenceGroup]) -> None:
         sub = self._subplan(plan, part)
         try:
-            outputs += self._run(sub)
+            outputs += self._run(sub, whole_step=False)
         except Exception as error:
             if len(part) > 1:
                 for half in self._halves(part):
