@@ -181,7 +181,7 @@ def test_an_engine_that_cannot_recover_is_replaced(server: Server) -> None:
             assert fatal.headers["Retry-After"]
             rest = [line for line in lines if line.startswith("data:")]
         assert any("engine_restarting" in line for line in rest) and rest[-1] == "data: [DONE]"
-        wait_until(lambda: http.get("/health").status_code == 200)
+        wait_until(lambda: http.get("/health").status_code == 200, timeout=240)
         assert metric(server, "engine_restarts_total") == restarts + 1
         assert completion(server).status_code == 200
     assert "restarting it" in Path(server.log_path).read_text()
