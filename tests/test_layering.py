@@ -10,7 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 ARGPARSE_PRIVATE = {"_SubParsersAction", "_actions"}  # argparse has no public names for these
-ENGINE_PARTS = {"scheduler", "block_manager", "runner", "kv_usage", "groups", "detokenizers", "observers"}
+ENGINE_PARTS = {"scheduler", "block_manager", "runner", "kv_usage", "groups", "detokenizers", "observers", "matchers",
+                "structured"}
 
 
 def module_name(path: Path) -> str:

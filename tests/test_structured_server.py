@@ -188,11 +188,14 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(server, client, body, m
 
 
 # ---- the real model ------------------------------------------------------------------------------------------
-class Country(BaseModel):  # unbounded fields: the model has to end them itself
+class Country(BaseModel):
+    """Unbounded strings and numbers: the model ends them itself. The list is bounded: left open, SmolLM2-135M at
+    temperature 0.8 kept adding languages until max_tokens in 10 of these 20 answers (valid JSON so far, cut off)."""
+
     name: str
     capital: str
     population_millions: float
-    languages: list[str]
+    languages: list[str] = Field(max_length=3)
 
 
 @pytest.mark.slow

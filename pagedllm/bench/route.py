@@ -348,7 +348,7 @@ def plot_route(summary: dict[str, Any], path: str) -> None:
     results = summary["results"]
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     policies = list(dict.fromkeys(r["policy"] for r in results))
-    panels = (("prefix_hit_rate", "prefix hit rate"), ("throughput_tok_s", "output tokens/s"),
+    panels = (("prefix_hit_rate", "prefix hit rate"), ("throughput_per_replica", "output tokens/s per replica"),
               ("ttft_p99_s", "p99 TTFT (s)"), ("imbalance", "max/mean queued tokens"))
     fig, axes = plt.subplots(len(workloads), len(panels), figsize=(4 * len(panels), 3 * len(workloads)),
                              squeeze=False)
@@ -358,7 +358,9 @@ def plot_route(summary: dict[str, Any], path: str) -> None:
             for p in policies:
                 rows = sorted((r for r in results if r["workload"] == w and r["policy"] == p),
                               key=lambda r: r["num_replicas"])
-                ax.plot([r["num_replicas"] for r in rows], [r[key] for r in rows], marker="o", label=p)
+                values = [r["throughput_tok_s"] / r["num_replicas"] if key == "throughput_per_replica" else r[key]
+                          for r in rows]
+                ax.plot([r["num_replicas"] for r in rows], values, marker="o", label=p)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{w}: {label}", fontsize=9)
             ax.set_xlabel("replicas")
