@@ -22,6 +22,7 @@ from pagedllm.engine.step_timers import StepTimers
 from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
+from pagedllm.model.loader import load_tokenizer as load_tokenizer  # entrypoints load tokenizers through the engine
 from pagedllm.model.model_runner import ModelRunner
 from pagedllm.model.sampler import GrammarMask, SamplerOutput
 from pagedllm.model.tokenizer import IncrementalDetokenizer

@@ -23,7 +23,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.llm_engine import tokenize_prompt
+from pagedllm.engine.llm_engine import load_tokenizer, tokenize_prompt
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, PrefixIndex, block_hashes
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -161,8 +161,6 @@ class ServeEngineClient:
         self.is_alive, self.dead_error = True, None
 
     async def bind(self, handle: Any) -> None:
-        from pagedllm.model.loader import load_tokenizer
-
         info = await handle.info.remote()
         BOUND[self.key] = {**info, "handle": handle.options(stream=True), "tokenizer": load_tokenizer(self.model)}
 

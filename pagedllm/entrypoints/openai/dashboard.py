@@ -159,14 +159,19 @@ class Observers:
     """Several async-engine observers as one (the async engine takes one): each failure is logged on its own."""
 
     def __init__(self, *observers: Any) -> None:
-        self.observers = observers
+        self.members = observers
 
     def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
-        for observer in self.observers:
+        for observer in self.members:
             try:
                 observer.record(engine, outputs)
             except Exception:
                 logger.exception("observer %s failed", type(observer).__name__)
+
+    def record_restart(self) -> None:
+        for observer in self.members:
+            if hasattr(observer, "record_restart"):
+                observer.record_restart()
 
 
 # ---- routes ----------------------------------------------------------------------------------------------------
