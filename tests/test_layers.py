@@ -123,6 +123,47 @@ def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_under_a_grammar_mask(tiny_model_dir, dtype: torch.dtype) -> None:
+    """With a grammar on some rows, the fast path picks the best allowed token and its logprob under the mask, as
+    the full path does: rows allowed one token, three tokens (fewer than the candidates kept), every other token
+    (the model's favourite forbidden), a mask whose first 4,096 tokens are all forbidden, and an unconstrained row."""
+    from pagedllm.model.llama import LlamaModel
+    from pagedllm.model.loader import load_model
+    from pagedllm.model.sampler import GrammarMask, SamplingBatch, sample, sample_greedy_from_top
+    from pagedllm.sampling_params import SamplingParams
+
+    loaded = load_model(tiny_model_dir, dtype)
+    model = LlamaModel(loaded.config, loaded.weights, dtype)
+    if model.ext is None:
+        pytest.skip("kernels did not build")
+    vocab = loaded.config.vocab_size
+    hidden = (torch.randn(5, loaded.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    favourite = model.compute_logits(hidden).argmax(-1)
+    allowed = torch.zeros(4, vocab, dtype=torch.bool)
+    allowed[0, 70] = True
+    allowed[1, [5, 900, vocab - 1]] = True
+    allowed[2] = True
+    allowed[2, favourite[2]] = False
+    allowed[3, 4096:] = True
+    packed = torch.zeros(4, (vocab + 31) // 32 * 32, dtype=torch.bool)
+    packed[:, :vocab] = allowed
+    bitmask = (packed.view(4, -1, 8).long() << torch.arange(8)).sum(-1).to(torch.uint8).view(torch.int32)  # bit t%8
+    grammar = GrammarMask(torch.tensor([0, 1, 2, 4]), bitmask)
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 5, [[1]] * 5, [[]] * 5, [None] * 5, vocab,
+                                grammar=grammar)
+    assert batch.is_plain_greedy
+    slow = sample(model.compute_logits(hidden), batch)
+    fast = sample_greedy_from_top(*model.top_logits(hidden, grammar))
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    assert fast.token_ids[0] == 70 and fast.token_ids[1] in (5, 900, vocab - 1) and fast.token_ids[2] != favourite[2]
+    assert fast.token_ids[3] == favourite[3] and fast.token_ids[4] >= 4096
+    # In bf16 the full path recomputes in fp32 the top candidates of the unmasked row, the fast path those of the
+    # masked one: an allowed token outside the former keeps its bf16-rounded logit there.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=tol, atol=tol)
+
+
 def random_int4(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit values with an fp16 scale and min per 32 inputs, as a GGUF Q4_1 weight has."""
     g = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ from pagedllm.model import kernels
 from pagedllm.model.attention import paged_attention, write_kv
 from pagedllm.model.layers import Int4Weight, Int8Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
 from pagedllm.model.loader import ModelConfig, Q4Weight
+from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 
@@ -138,15 +139,19 @@ class LlamaModel:
         top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices
         return logits.scatter_(1, top, self._exact_logits(hidden, top))
 
-    def top_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def top_logits(self, hidden: torch.Tensor, grammar: GrammarMask | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What greedy decoding needs of compute_logits' output, without making it: each row's top candidates
-        (fp32 values [S, k], ids [S, k]) and its logsumexp [S], from one C++ pass over the model-dtype logits."""
+        (fp32 values [S, k], ids [S, k]) and its logsumexp [S], from one C++ pass over the model-dtype logits;
+        with a grammar, over the tokens it allows (-inf elsewhere), as `sample` masks."""
         assert self.ext is not None, "top_logits needs the C++ kernels"
         logits = linear(hidden, self.lm_head_weight)
+        if grammar is not None:
+            apply_grammar_mask_(logits, grammar)
         values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
         if self.dtype == torch.float32:
             return values, ids, lse
-        exact = self._exact_logits(hidden, ids)
+        exact = self._exact_logits(hidden, ids).masked_fill_(values == float("-inf"), float("-inf"))
         # Swap the candidates' rounded terms in the sum for their exact ones.
         rest = (1 - (values - lse[:, None]).exp().sum(-1)).clamp_min(0)
         lse = lse + (rest + (exact - lse[:, None]).exp().sum(-1)).log()

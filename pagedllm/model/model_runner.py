@@ -113,7 +113,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, grammar: GrammarMask | None = None) -> SamplerOutput | None:
         """One model step; returns the tokens of the sequences that sample, in plan order (None if none do).
-        `grammar`: the tokens allowed on the structured-output rows (a step with one takes the full sampling path)."""
+        `grammar`: the tokens allowed on the structured-output rows (masked before greedy's top candidates, or before
+        sampling)."""
         self.copy_blocks(plan.copies)
         input_ids, positions, meta, logit_rows = self.prepare(plan)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -125,7 +126,7 @@ class ModelRunner:
             [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids, grammar=grammar)
         if batch.is_plain_greedy and self.model.ext is not None:
-            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows]))
+            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows], grammar))
         return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -129,8 +129,7 @@ class SamplingBatch:
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs the whole distribution: the top candidates and logsumexp suffice."""
-        return (self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
-                and self.grammar is None)
+        return self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
 
     @property
     def num_rows(self) -> int:

@@ -200,6 +200,7 @@ void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64
     load_row(row + c0, x.data(), n);
     float cm = -INFINITY;
     for (int64_t i = 0; i < n; ++i) cm = x[i] > cm ? x[i] : cm;
+    if (cm == -INFINITY) continue;  // a chunk a grammar masked out entirely adds nothing (and -inf - -inf is NaN)
     if (cm > m) {
       s *= exp_nonpos(m - cm);
       m = cm;
@@ -225,6 +226,11 @@ void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64
       }
     }
   }
+  for (int64_t j = filled; j < k; ++j) {  // fewer than k tokens allowed: the rest are -inf
+    top_v[j] = -INFINITY;
+    top_i[j] = 0;
+  }
+  filled = k;
   // Largest first; among equal values the lower index first (what argmax picks).
   for (int64_t a = 1; a < filled; ++a)
     for (int64_t b = a; b > 0 && (top_v[b] > top_v[b - 1] || (top_v[b] == top_v[b - 1] && top_i[b] < top_i[b - 1]));
