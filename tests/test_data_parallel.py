@@ -125,11 +125,14 @@ def test_metrics_show_both_replicas(dp_server: ServerProcess) -> None:
         return {(s.name, s.labels.get("replica", "")): s.value
                 for f in text_string_to_metric_families(text) for s in f.samples}
 
-    wait_until(lambda: all(samples().get(("pagedllm:prompt_tokens_total", r), 0) > 0 for r in "01"))
+    def shown(s: dict[tuple[str, str], float]) -> bool:  # replicas' series arrive as they report, not at once
+        return (all(s.get(("pagedllm:prompt_tokens_total", r), 0) > 0 for r in "01")
+                and max(s.get(("pagedllm:prefix_cache_hits_total", r), 0) for r in "01") > 0)
+
+    wait_until(lambda: shown(samples()))
     s = samples()
     assert all(s[("pagedllm:router_requests_total", r)] > 0 for r in "01")
     assert s[("pagedllm:router_affinity_hits_total", "")] >= len(PROMPTS) - 1
-    assert max(s[("pagedllm:prefix_cache_hits_total", r)] for r in "01") > 0
     assert s[("pagedllm:replica_healthy", "0")] == s[("pagedllm:replica_healthy", "1")] == 1
 
 
