@@ -1,9 +1,8 @@
 """Fuzzing (issue 12): schemathesis sends what the server's own OpenAPI schema allows, and what it does not, to every
 endpoint; no response may be a 5xx, and the server must be healthy and serving afterwards.
 
-PAGEDLLM_FUZZ_EXAMPLES sets the examples per operation, half valid and half not (default 80: about 320 over the 8
-operations, for CI);
-docs/reliability.md reports a longer run.
+PAGEDLLM_FUZZ_EXAMPLES sets the examples per operation, half valid and half not (default 80, for CI: at most 480
+requests over the 8 operations); docs/reliability.md reports a longer run.
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ async def one_request(http: httpx.AsyncClient, kind: str, model: str, rng: rando
             if line.startswith("data:"):
                 chunks += 1
                 done = line == "data: [DONE]"
-                if '"error"' in line:
-                    return "error_event", False, False
+                if '"error"' in line:  # which error, by its code (or type): the one thing to look up afterwards
+                    error = json.loads(line[5:]).get("error") or {}
+                    return f"error_event:{error.get('code') or error.get('type')}", False, False
             if cut is not None and chunks >= cut:
                 return "client_cut", True, False
         return ("200" if done else "no_done"), done, cut is None and done

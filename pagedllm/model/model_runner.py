@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection, Hashable
 from itertools import chain
 
@@ -28,6 +29,8 @@ INT8_MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")  # --quantization w8a8
 # fp32 anyway. With per-token activation scales the others miss it: o_proj by a hair, qkv / gate_up / down by
 # 2.5-3x, SmoothQuant-calibrated too (docs/performance.md).
 INT8_DEFAULT = ("lm_head",)
+
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 32  # matmul shapes oneDNN keeps ready (see from_config)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -59,6 +62,10 @@ class ModelRunner:
         """Load the checkpoint, size the KV pool from the memory budget and build the kernels now, not on a request;
         the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
         torch.set_num_threads(config.num_threads)
+        # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
+        # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
+        # Read when oneDNN makes its first primitive; re-creating one costs no measurable throughput (performance.md).
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
         dtype = getattr(torch, config.torch_dtype_name)
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference"
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
