@@ -108,11 +108,19 @@ async def one_request(http: httpx.AsyncClient, kind: str, model: str, rng: rando
                 chunks += 1
                 done = line == "data: [DONE]"
                 if '"error"' in line:  # which error, by its code (or type): the one thing to look up afterwards
-                    error = json.loads(line[5:]).get("error") or {}
-                    return f"error_event:{error.get('code') or error.get('type')}", False, False
+                    return f"error_event:{error_code(line[5:])}", False, False
             if cut is not None and chunks >= cut:
                 return "client_cut", True, False
         return ("200" if done else "no_done"), done, cut is None and done
+
+
+def error_code(event: str) -> str:
+    """The code (or type) of a stream's error event; "unreadable" if it is not the JSON it should be."""
+    try:
+        error = json.loads(event).get("error") or {}
+        return str(error.get("code") or error.get("type"))
+    except (json.JSONDecodeError, AttributeError):
+        return "unreadable"
 
 
 def overloaded(r: httpx.Response) -> bool:
