@@ -4,8 +4,8 @@ time, the time to fill one row's token mask, and whether random walks under each
 A random walk draws random logits each step, masks them with the backend's bitmask and takes the argmax: any token
 the grammar allows is equally likely, so the walk probes the whole grammar rather than the text a model would write.
 Both produce compact JSON (no whitespace between tokens: otherwise random walks wander in whitespace until
-the token limit). An output counts as valid when `json.loads` (strict: no raw control characters inside strings) reads it and it
-validates against the schema.
+the token limit). An output counts as valid when `json.loads` (strict: no raw control characters inside strings)
+reads it and it validates against the schema.
 
 usage (a venv with torch, transformers, llguidance, xgrammar and jsonschema; not the project's):
     python docs/scripts/grammar_backends.py HF_TOKENIZER_DIR [--walks 60] [--max-tokens 400]
@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import torch
 from transformers import AutoTokenizer
-
-import sys
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagedllm.bench.structured import SCHEMA as OPEN_SCHEMA  # noqa: E402  (`pagedllm bench structured`'s)
