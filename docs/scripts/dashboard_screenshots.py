@@ -44,7 +44,8 @@ async def shared_prefix(base: str, stop: threading.Event) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         async def ask(i: int) -> None:
             await asyncio.sleep(0.4 * i)
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            question = QUESTIONS[i % len(QUESTIONS)]
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
             await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 120,
                                                             "n": 3 if i % 4 == 0 else 1, "temperature": 0.8,
                                                             "ignore_eos": True})
