@@ -169,9 +169,13 @@ class Observers:
                 logger.exception("observer %s failed", type(observer).__name__)
 
     def record_restart(self) -> None:
+        """Called from the thread that replaces a broken engine: a failing member must not stop that thread."""
         for observer in self.members:
-            if hasattr(observer, "record_restart"):
-                observer.record_restart()
+            try:
+                if hasattr(observer, "record_restart"):
+                    observer.record_restart()
+            except Exception:
+                logger.exception("observer %s failed to record a restart", type(observer).__name__)
 
 
 # ---- routes ----------------------------------------------------------------------------------------------------
