@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.model.sampler import SamplingBatch, apply_penalties, sample
+from pagedllm.model.sampler import SamplingBatch, _logsumexp, apply_penalties, sample
 from pagedllm.sampling_params import SamplingParams
 
 TINY_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
@@ -318,10 +318,13 @@ def test_no_sort_unless_top_p(monkeypatch):
     params = [SamplingParams(top_k=50, top_p=0.9), SamplingParams(top_k=5, top_p=0.5, seed=1)]
     sample(logits[:2], build(params, 1000, generators=[None, torch.Generator().manual_seed(1)]))
     monkeypatch.setattr(torch.Tensor, "topk", forbidden)
-    monkeypatch.setattr(torch.Tensor, "softmax", forbidden)
+    softmaxes = []
+    softmax = torch.Tensor.softmax
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda self, *a, **k: softmaxes.append(1) or softmax(self, *a, **k))
     assert torch.equal(
         sample(logits, build([SamplingParams(temperature=0)] * 3, 1000)).token_ids, logits.argmax(-1)
     )
+    assert len(softmaxes) == 1  # the chosen tokens' logprobs' logsumexp; no distribution to draw from
 
 
 def test_batch_fields_are_none_when_unused():
@@ -348,3 +351,16 @@ def test_plain_greedy_needs_nothing_else() -> None:
     for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, repetition_penalty=1.2),
                    SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=1)):
         assert not build([params], 10, eos_token_ids=(2,)).is_plain_greedy, params
+
+
+def test_logsumexp_matches_torch_on_plain_masked_and_empty_rows():
+    """The logprobs' logsumexp (from the softmax's largest probability) equals torch's, and a row the grammar masks
+    entirely gives -inf, not NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5000) * 4
+    logits[1, 10:] = float("-inf")  # a grammar-masked row
+    logits[2] = float("-inf")  # nothing allowed
+    logits[3, 0] = 80.0  # one token far ahead of the rest
+    got = _logsumexp(logits)
+    torch.testing.assert_close(got, logits.logsumexp(-1))
+    assert got[2] == float("-inf")

@@ -123,8 +123,7 @@ class LLMEngine:
         self.kv_usage = KVUsage()
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
-        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                                  num_threads=1)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.matchers: dict[int, Any] = {}  # by seq_id: the grammar state of structured-output sequences
         self.observers: list[StepObserver] = []
         self.failed: dict[str, BaseException] = {}  # requests a step failed on, until pop_failed_requests()

@@ -103,17 +103,15 @@ class StructuredOutputManager:
     engine's thread) and fills the token bitmask of the constrained rows of a step."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = 256, num_threads: int = 1) -> None:
+                 cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, which the bitmask covers
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self.bitmask_words = (vocab_size + 31) // 32
-        self.num_threads = num_threads
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lltokenizer: llg.LLTokenizer | None = None
-        self._executor: llg.LLExecutor | None = None
 
     @property
     def lltokenizer(self) -> llg.LLTokenizer:
@@ -154,12 +152,12 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
         """int32 [len(matchers), ceil(V / 32)]: bit t % 32 of word t // 32 of row i is set when matcher i allows
-        token t next. One call for the batch; llguidance computes the rows without the GIL."""
+        token t next. Row by row in the calling thread, without the GIL: llguidance's parallel executor took time
+        from the model's threads after each fill (7x the involuntary context switches, a slower forward pass)."""
         bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
-        if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=self.num_threads)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                               self.bitmask_words * 4, len(matchers))
+        row_bytes, ptr = self.bitmask_words * 4, bitmask.data_ptr()
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
         return bitmask
 
 

@@ -263,7 +263,7 @@ def _top_k_top_p(
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:
     """Logprobs of the raw distribution without materialising log_softmax: logit - logsumexp."""
-    lse = raw.logsumexp(dim=-1)
+    lse = _logsumexp(raw)
     chosen_logit = raw.gather(1, token_ids[:, None])
     chosen = chosen_logit.squeeze(1) - lse
     top = ranks = None
@@ -272,6 +272,13 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> Samp
         top = (ids, values - lse[:, None])
         ranks = (raw > chosen_logit).sum(dim=-1) + 1
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top, ranks=ranks)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp as max - log(largest softmax probability): torch's logsumexp is 2x slower on a plain row
+    and 6x on a grammar-masked one (its exp of -inf is slow; the softmax kernel's is not). A row of -inf gives -inf."""
+    top = x.amax(dim=-1)
+    return torch.where(top == _NEG_INF, top, top - x.softmax(dim=-1).amax(dim=-1).log())
 
 
 def _token_counts(token_lists: list[list[int]], rows_on: list[bool], vocab_size: int) -> torch.Tensor:
