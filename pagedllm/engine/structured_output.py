@@ -153,7 +153,7 @@ class StructuredOutputManager:
     def fill_bitmask(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
         """int32 [len(matchers), ceil(V / 32)]: bit t % 32 of word t // 32 of row i is set when matcher i allows
         token t next. Row by row in the calling thread, without the GIL: llguidance's parallel executor took time
-        from the model's threads after each fill (7x the involuntary context switches, a slower forward pass)."""
+        from the model's threads after each fill (14x the involuntary context switches; docs/scripts/mask_costs.py)."""
         bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
         row_bytes, ptr = self.bitmask_words * 4, bitmask.data_ptr()
         for i, matcher in enumerate(matchers):
