@@ -11,6 +11,7 @@ GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
 QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -61,6 +62,10 @@ class EngineConfig:
     # token) for every other step; auto: w8a8 for a bf16 engine on a GGUF file with 4-bit weights, else none;
     # none: every weight dequantized to the dtype
     quantization: str = "auto"
+    # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
+    # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
+    # docs/performance.md); auto: the model's dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +95,11 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
+                             "default model (2.8x bf16's logprob error, docs/performance.md); use int8")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 
@@ -100,6 +110,13 @@ class EngineConfig:
         if self.dtype in ("float32", "fp32"):
             return "float32"
         return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+    @property
+    def kv_cache_torch_dtype_name(self) -> str:
+        """The KV cache tensors' torch dtype: uint8 holds the int8 records."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype_name
+        return "uint8" if self.kv_cache_dtype == "int8" else self.kv_cache_dtype
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -132,6 +149,9 @@ class EngineConfig:
                        help="int4: a GGUF file's 4-bit weights serve small steps as stored (bf16 only); w8a8: that, "
                             "and int8 weights and activations for every other step; auto: w8a8 for a bf16 engine on "
                             "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
+        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPES,
+                       help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
+                            "bf16's bytes (1.6x the tokens in the same memory); auto: the model's dtype")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")

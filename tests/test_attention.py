@@ -14,7 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.model import attention, kernels
-from pagedllm.model.attention import is_fast_path_available, paged_attention, write_kv
+from pagedllm.model.attention import (
+    KV_GROUP,
+    dequantize_kv,
+    is_fast_path_available,
+    kv_record_len,
+    paged_attention,
+    quantize_kv,
+    write_kv,
+)
 
 # (context_len, new tokens) per sequence: decodes, whole prompts, chunks after a cached prefix, contexts and
 # prefixes on block boundaries (16, 32, 48, 64), a context of one token, and chunks long enough for several
@@ -46,14 +54,19 @@ class Batch:
 
 
 def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               dtype: torch.dtype = torch.float32, seed: int = 0) -> Batch:
-    """Random K/V written through write_kv into blocks taken in random order; unused slots hold NaN."""
+               dtype: torch.dtype = torch.float32, seed: int = 0, kv_int8: bool = False) -> Batch:
+    """Random K/V written through write_kv into blocks taken in random order; unused slots hold NaN. `kv_int8`:
+    the cache holds int8 records (unused ones all 0xFF bytes: NaN scales), keys/values are what they store."""
     gen = torch.Generator().manual_seed(seed)
     nblocks = [math.ceil(ctx / block_size) for ctx, _ in specs]
     num_blocks = sum(nblocks) + 3
     order = torch.randperm(num_blocks, generator=gen)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
+    if kv_int8:
+        shape = (num_blocks, block_size, num_kv_heads, kv_record_len(head_dim))
+        k_cache, v_cache = (torch.full(shape, 255, dtype=torch.uint8) for _ in range(2))
+    else:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache, v_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
     block_tables = torch.zeros(len(specs), max(nblocks) + 1, dtype=torch.int32)  # one padding column
     keys, values, taken = [], [], 0
     for s, (ctx, _) in enumerate(specs):
@@ -64,9 +77,12 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
         slots = blocks[pos // block_size] * block_size + pos % block_size
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        k, v = k.to(dtype), v.to(dtype)
         write_kv(k, v, k_cache, v_cache, slots)
-        keys.append(k.to(dtype))
-        values.append(v.to(dtype))
+        if kv_int8:
+            k, v = (dequantize_kv(quantize_kv(x), head_dim) for x in (k, v))
+        keys.append(k)
+        values.append(v)
     counts = torch.tensor([n for _, n in specs])
     query_start_loc = torch.zeros(len(specs) + 1, dtype=torch.int32)
     query_start_loc[1:] = counts.cumsum(0)
@@ -111,11 +127,51 @@ def test_write_kv_puts_each_token_at_its_slot() -> None:
     assert k_cache.flatten(0, 1).abs().sum(dim=(1, 2)).count_nonzero() == 5  # nothing else written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_writer_copies_each_row_to_its_slot(cpp: None, dtype: torch.dtype) -> None:
+    qkv = torch.randn(5, 4 * 16, dtype=dtype)  # k and v as strided views of one projection, as in the model
+    k, v = qkv[:, 32:48].view(5, 1, 16), qkv[:, 48:].view(5, 1, 16)
+    k_cache, v_cache = torch.zeros(6, 4, 1, 16, dtype=dtype), torch.zeros(6, 4, 1, 16, dtype=dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([22, 3, 4, 17, 0], dtype=torch.int32)
+    write_kv(k, v, k_cache, v_cache, slots)
+    write_kv(k, v, expected_k, expected_v, slots)
+    k_cache.zero_(), v_cache.zero_()
+    write_kv(k, v, k_cache, v_cache, slots, kernels.load())
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert expected_k.count_nonzero() == 5 * 16
+
+
 def test_write_kv_casts_to_the_cache_dtype() -> None:
     k_cache, v_cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
     k = torch.randn(2, 1, 16)
     write_kv(k, k, k_cache, v_cache, torch.tensor([5, 0], dtype=torch.int32))
     assert torch.equal(k_cache[1, 1], k[0].bfloat16()) and torch.equal(v_cache[0, 0], k[1].bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_records_hold_each_value_within_half_a_step(dtype: torch.dtype) -> None:
+    x = (torch.randn(50, 3, 64) * torch.logspace(-3, 2, 64)).to(dtype)  # groups of very different ranges
+    x[7, 1, :32] = 0.5  # a constant group: scale 0
+    records = quantize_kv(x)
+    assert records.dtype == torch.uint8 and records.shape == (50, 3, kv_record_len(64))
+    params = records[..., 64:].contiguous().view(torch.float16).float().reshape(50, 3, 64 // KV_GROUP, 2)
+    step = params[..., 0].repeat_interleave(KV_GROUP, dim=-1)
+    err = (dequantize_kv(records, 64) - x.float()).abs()
+    assert (err <= step / 2 + 1e-3 * x.float().abs() + 1e-6).all()  # + the fp16 rounding of each group's min
+    assert torch.equal(dequantize_kv(records, 64)[7, 1, :32], torch.full((32,), 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_int8_writer_stores_the_same_bytes_as_the_torch_one(cpp: None, dtype: torch.dtype) -> None:
+    qkv = torch.randn(9, 5 * 64, dtype=dtype) * 3  # k and v as strided views of one projection, as in the model
+    k, v = qkv[:, 64:192].view(9, 2, 64), qkv[:, 192:].view(9, 2, 64)
+    k_cache, v_cache = (torch.zeros(4, 4, 2, kv_record_len(64), dtype=torch.uint8) for _ in range(2))
+    slots = torch.tensor([15, 0, 3, 4, 9, 10, 11, 1, 2])
+    write_kv(k, v, k_cache, v_cache, slots, kernels.load())
+    assert torch.equal(k_cache.flatten(0, 1)[slots], quantize_kv(k))
+    assert torch.equal(v_cache.flatten(0, 1)[slots], quantize_kv(v))
+    assert k_cache.flatten(0, 1)[[5, 6, 7, 8, 12, 13, 14]].count_nonzero() == 0  # nothing else written
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -147,6 +203,21 @@ def test_cpp_equals_reference_on_single_sequences_and_big_batches(cpp: None, dty
                                                                  heads: tuple[int, int], specs: list) -> None:
     b = make_batch(specs, *heads, 64, 16, dtype)
     assert_close(b.run("cpp"), b.run("reference"))
+
+
+@pytest.mark.parametrize("kernel", [ROWS, TILE, DEFAULT], ids=["rows", "tile", "default"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_cache_cpp_equals_reference_and_dense(cpp: None, dtype: torch.dtype, heads: tuple[int, int],
+                                                   head_dim: int, block_size: int, kernel: int) -> None:
+    """The kernel over int8 records equals attention over the values they hold (unused records would be NaN)."""
+    b = make_batch(MIXED + MANY_DECODES[:4], *heads, head_dim, block_size, dtype, kv_int8=True)
+    out = b.run(tile_min_rows=kernel)
+    assert out.dtype == dtype and out.shape == b.q.shape
+    assert_close(out, b.run("reference"))
+    assert_close(out, dense_attention(b))
 
 
 def test_fp32_kernel_matches_dense_attention_tightly(cpp: None) -> None:

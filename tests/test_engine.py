@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, LLMEngine, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.model.attention import kv_record_len
+from pagedllm.outputs import RequestOutput
 
 MAX_TOKENS = 24
 TIE = 1e-3
@@ -99,6 +101,55 @@ def test_slots_never_written_are_never_read(tiny_model_dir, reference, backend):
     assert llm.engine.scheduler.num_preemptions > 0
     for out, (ref, logits) in zip(outs, refs):
         assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+
+
+def assert_same_greedy(ours: list[int], base: RequestOutput) -> None:
+    """Equal token for token to `base`'s greedy run; at a tie there (top two logprobs within TIE) either token."""
+    for i, (a, b) in enumerate(zip(ours, base.outputs[0].token_ids)):
+        if a != b:
+            top2 = sorted(base.outputs[0].logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+            gap = top2[0][1].logprob - top2[1][1].logprob
+            assert gap < TIE and a in dict(top2), f"token {i}: {a} vs {b} (top-2 gap {gap:.2e})"
+            return
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(block_size=16, max_num_batched_tokens=7),  # chunked prefill
+    dict(num_blocks=12, block_size=8, max_num_batched_tokens=64),  # preemption: recompute writes the records again
+    dict(block_size=4, attention_backend="reference"),  # the torch quantiser and attention
+], ids=["chunked", "preemption", "reference-attention"])
+def test_int8_kv_cache_gives_the_same_tokens_whatever_the_batching(tiny_model_dir, engine_args):
+    """The int8 cache quantises each token's K and V on their own, so chunking, preemption and the backend change
+    nothing: the same greedy tokens as one plain run (ties aside), and every block comes back."""
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    base = LLM(tiny_model_dir, dtype="float32", kv_cache_dtype="int8", num_blocks=512).generate(prompts, params,
+                                                                                               use_tqdm=False)
+    args = dict(num_blocks=512) | engine_args
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_dtype="int8", **args)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.uint8
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, b in zip(outs, base):
+        assert_same_greedy(out.outputs[0].token_ids, b)
+    assert llm.engine.block_manager.num_free_blocks == args["num_blocks"]
+    assert llm.engine.scheduler.num_preemptions > 0 or args["num_blocks"] == 512
+
+
+def test_int8_kv_cache_holds_more_tokens_and_changes_the_numbers(tiny_model_dir):
+    """Same memory, 1.6x the blocks (64-wide heads: 80 bytes a row against 128 in bf16); the outputs are not
+    the bf16 cache's bit for bit (the records are really used), yet close."""
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = {}
+    for kv in ("bfloat16", "int8"):
+        llm = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory="64MiB")
+        runs[kv] = (llm.engine.runner.num_blocks, llm.generate(prompts, params, use_tqdm=False))
+    head_dim = llm.engine.runner.model_config.head_dim
+    assert runs["int8"][0] == runs["bfloat16"][0] * 2 * head_dim // kv_record_len(head_dim)
+    lp = {kv: [o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in outs]
+          for kv, (_, outs) in runs.items()}
+    assert lp["int8"] != lp["bfloat16"]
+    assert max(abs(a - b) for a, b in zip(lp["int8"], lp["bfloat16"])) < 0.1
 
 
 def test_qwen2_with_attention_bias_matches_transformers(tiny_qwen2_dir):
@@ -237,3 +288,8 @@ def test_unknown_model_path_and_architecture(tmp_path):
 def test_max_model_len_that_does_not_fit_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="KV cache"):
         LLM(tiny_model_dir, dtype="float32", num_blocks=4, block_size=16, max_model_len=1024)
+
+
+def test_fp8_kv_cache_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="fp8 is not supported.*accuracy gate"):
+        EngineConfig(kv_cache_dtype="fp8")

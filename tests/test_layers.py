@@ -121,6 +121,16 @@ def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype)
     fast = sample_greedy_from_top(*model.top_logits(hidden))
     assert torch.equal(fast.token_ids, slow.token_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
+    # min_tokens: each row's favourite as its "EOS" is banned on rows 0-5 (not yet at min_tokens), 6-8 are free
+    favourite = slow.token_ids.tolist()
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[favourite[i], 7]) for i in range(9)]
+    banned = SamplingBatch.build(params, [[1]] * 9, [[]] * 6 + [[5, 5]] * 3, [None] * 9, loaded.config.vocab_size)
+    assert banned.is_plain_greedy and banned.banned is not None
+    slow = sample(model.compute_logits(hidden), banned)
+    fast = sample_greedy_from_top(*model.top_logits(hidden), banned.banned)
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    assert [t != f for t, f in zip(fast.token_ids.tolist(), favourite)] == [True] * 6 + [False] * 3
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -343,14 +343,23 @@ def test_greedy_from_top_picks_the_lowest_id_among_equal_maxima() -> None:
     out = sample_greedy_from_top(values, ids, torch.tensor([6.0, 2.5]))
     assert out.token_ids.tolist() == [4, 11]
     assert out.logprobs.tolist() == [-1.0, -0.5]
+    # banned (row, id) pairs drop out: row 0 loses 4 and 9 (both maxima), row 1 loses 11; ids not among a row's
+    # candidates (5 in row 0) change nothing
+    banned = (torch.tensor([0, 0, 1, 0]), torch.tensor([4, 9, 11, 5]))
+    out = sample_greedy_from_top(values, ids, torch.tensor([6.0, 2.5]), banned)
+    assert out.token_ids.tolist() == [7, 3]
+    assert out.logprobs.tolist() == [-3.0, -1.5]
 
 
 def test_plain_greedy_needs_nothing_else() -> None:
     plain = build([SamplingParams(temperature=0)] * 2, 10)
     assert plain.is_plain_greedy
+    # min_tokens bans a few ids: the fast path skips them among its 16 candidates; more than 8 need the full row
+    assert build([SamplingParams(temperature=0, min_tokens=3)], 10, eos_token_ids=(2,)).is_plain_greedy
+    many_stops = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=list(range(3, 12)))
     for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, repetition_penalty=1.2),
-                   SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=1)):
-        assert not build([params], 10, eos_token_ids=(2,)).is_plain_greedy, params
+                   many_stops, SamplingParams(temperature=1)):
+        assert not build([params], 20, eos_token_ids=(2,)).is_plain_greedy, params
 
 
 def test_logsumexp_matches_torch_on_plain_masked_and_empty_rows():

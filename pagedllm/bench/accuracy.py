@@ -23,7 +23,8 @@ GATE_AGREEMENT = 0.95
 GATE_ERROR_RATIO = 1.25
 DEFAULT_VARIANTS = {"bf16": dict(dtype="bfloat16", quantization="none"),
                     "bf16 + int4 small steps": dict(dtype="bfloat16", quantization="int4"),
-                    "default (auto)": dict(dtype="bfloat16", quantization="auto")}
+                    "default (auto)": dict(dtype="bfloat16", quantization="auto"),
+                    "default + int8 KV cache": dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8")}
 
 
 @dataclass

@@ -168,18 +168,19 @@ def cmd_latency(args: argparse.Namespace) -> int:
     config = load_model(base.model, dtype).config  # the shape, to size each run's KV cache before its engine
     machine = machine_for(args, base.torch_dtype_name)
     max_model_len = min(config.max_position_embeddings, base.max_model_len or config.max_position_embeddings)
-    pool_tokens = kv_pool_tokens(base, config, dtype) if user_sized else None
+    kv_dtype = getattr(torch, base.kv_cache_torch_dtype_name)
+    pool_tokens = kv_pool_tokens(base, config, kv_dtype) if user_sized else None
     result: dict[str, Any] = {
         "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": base.torch_dtype_name,
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
         "max_num_batched_tokens": base.max_num_batched_tokens, "attention_backend": base.attention_backend,
-        "quantization": base.quantization,
+        "quantization": base.quantization, "kv_cache_dtype": base.kv_cache_dtype,
         "machine": {**dataclasses.asdict(machine), "cpus": os.cpu_count(), "arch": platform.machine()},
         "parts": PART_HELP, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "rows": [], "skipped": []}
     for batch in batches:
         for ctx in ctxs:
             case = plan_case(batch, ctx, steps, args.warmup_steps, max(base.max_num_batched_tokens, batch),
-                             kv_bytes_per_block(config, 1, dtype))
+                             kv_bytes_per_block(config, 1, kv_dtype))
             reason = skip_reason(case, max_model_len, args.max_kv_gib * GIB, pool_tokens)
             if reason:
                 print(f"skipping batch {batch} x context {ctx}: {reason}")

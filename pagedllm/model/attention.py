@@ -1,6 +1,8 @@
 """Attention over the paged KV cache: the cache write, a readable reference and a fast C++ kernel.
 
-The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A step's
+The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``, in the model's
+dtype, or in int8 (``--kv-cache-dtype int8``): uint8 records of ``kv_record_len(head_dim)`` bytes per row, the values
+quantised per group of 16 with an fp16 scale and min each (0.625x the bytes of bf16). A step's
 queries are flat (``[T, num_heads, head_dim]``, decodes and prompt chunks mixed, no padding); sequence ``s``
 owns ``q[query_start_loc[s]:query_start_loc[s+1]]``, which are the last tokens of its context.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import ModuleType
 
 import torch
 
@@ -26,14 +29,50 @@ _TILE_MIN_ROWS = 20
 
 _warned: set[str] = set()
 
+KV_GROUP = 16  # int8 cache: values sharing one (scale, min) pair, as csrc/paged_attention.cpp's kKvGroup
+
+
+def kv_record_len(head_dim: int) -> int:
+    """Bytes of one kv head's row in an int8 cache: the values, then an fp16 scale and min per group."""
+    return head_dim + head_dim // KV_GROUP * 4
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., head_dim]`` to int8 records ``[..., kv_record_len]``: the torch twin of the C++ writer (the same
+    fp32 operations and rounding), for the reference path."""
+    *lead, d = x.shape
+    g = x.float().reshape(*lead, d // KV_GROUP, KV_GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    params = torch.cat([(hi - lo) / 255, lo], dim=-1).half()  # [..., groups, (scale, min)]
+    scale, mn = params.float().unbind(-1)
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = ((g - mn[..., None]) * inv[..., None]).round_().clamp_(0, 255).to(torch.uint8)
+    return torch.cat([q.reshape(*lead, d), params.reshape(*lead, -1).view(torch.uint8)], dim=-1)
+
+
+def dequantize_kv(records: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 records ``[..., kv_record_len]`` back to fp32 rows ``[..., head_dim]``."""
+    *lead, _ = records.shape
+    q = records[..., :head_dim].float().reshape(*lead, head_dim // KV_GROUP, KV_GROUP)
+    params = records[..., head_dim:].contiguous().view(torch.float16).float().reshape(*lead, -1, 2)
+    return (q * params[..., :1] + params[..., 1:]).reshape(*lead, head_dim)
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the step's new keys/values ``[T, num_kv_heads, head_dim]`` at their cache slots, in place.
+             slot_mapping: torch.Tensor, ext: ModuleType | None = None) -> None:
+    """Store the step's new keys/values ``[T, num_kv_heads, head_dim]`` at their cache slots, in place (quantised
+    into records in an int8 cache).
 
-    ``slot_mapping[i] = block_id * block_size + offset`` (int64, or int32, converted). One vectorised copy.
+    ``slot_mapping[i] = block_id * block_size + offset`` (int64, or int32, converted). With the C++ kernels `ext`,
+    one call for K and V (the torch path: two vectorised copies, and the quantisation as separate ops).
     """
     slots = slot_mapping.long()
+    if (ext is not None and k_cache.dtype in (torch.uint8, k.dtype) and k.dtype == v.dtype
+            and k.stride(-1) == 1 and v.stride(-1) == 1):
+        ext.write_kv(k, v, k_cache, v_cache, slots.contiguous())
+        return
+    if k_cache.dtype == torch.uint8:
+        k, v = quantize_kv(k), quantize_kv(v)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
@@ -65,7 +104,7 @@ def _reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """Per sequence: gather its blocks into contiguous K/V, masked softmax in fp32. Slow, obviously right."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = *k_cache.shape[1:3], q.shape[-1]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros_like(q)
     starts, lens = query_start_loc.tolist(), context_lens.tolist()
@@ -74,14 +113,18 @@ def _reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if end == begin:
             continue
         blocks = block_tables[s, : math.ceil(ctx / block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k, v = (_rows(cache[blocks].reshape(-1, *cache.shape[2:])[:ctx], head_dim) for cache in (k_cache, v_cache))
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, H, D]
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), k) * scale
         q_pos = torch.arange(ctx - (end - begin), ctx).unsqueeze(1)
         scores.masked_fill_(torch.arange(ctx).unsqueeze(0) > q_pos, float("-inf"))
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Cache rows as fp32 ``[..., head_dim]`` (int8 records dequantised)."""
+    return dequantize_kv(cache_rows, head_dim) if cache_rows.dtype == torch.uint8 else cache_rows.float()
 
 
 def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -116,8 +159,8 @@ def _pick_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     ok_dtypes = (torch.float32, torch.bfloat16)
-    if q.dtype not in ok_dtypes or k_cache.dtype not in ok_dtypes:
-        return f"dtypes {q.dtype}/{k_cache.dtype} are not float32/bfloat16"
+    if q.dtype not in ok_dtypes or k_cache.dtype not in (*ok_dtypes, torch.uint8):
+        return f"dtypes {q.dtype}/{k_cache.dtype} are not float32/bfloat16 (the cache: or int8 records)"
     if q.shape[-1] % 16:
         return f"head_dim {q.shape[-1]} is not a multiple of 16"
     if not k_cache.is_contiguous():

@@ -125,7 +125,7 @@ class LlamaModel:
         k = k.view(-1, c.num_key_value_heads, c.head_dim)
         v = v.view(-1, c.num_key_value_heads, c.head_dim)
         q, k = self.rotary(positions, q, k, self.ext)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
         o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                             self.scale, meta.max_query_len, backend=self.attention_backend)
         return linear(o.reshape(-1, self.q_size), layer.o_weight)

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
-from pagedllm.model.attention import is_fast_path_available
+from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata, LlamaModel
 from pagedllm.model.loader import ModelConfig, load_model
@@ -33,27 +33,34 @@ INT8_DEFAULT = ("lm_head",)
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 32  # matmul shapes oneDNN keeps ready (see from_config)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """One token's K (or V) in one layer's cache: [num_kv_heads, head_dim], or int8 records (uint8)."""
+    row = kv_record_len(config.head_dim) if kv_dtype == torch.uint8 else config.head_dim
+    return config.num_key_value_heads, row
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
     """K and V for every layer of one block."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    heads, row = kv_row_shape(config, kv_dtype)
+    return 2 * config.num_hidden_layers * block_size * heads * row * torch.tensor([], dtype=kv_dtype).element_size()
 
 
 class ModelRunner:
     """Owns the model, the KV cache tensors and the random generators; knows nothing of policy."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: Collection[int],
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         c = model.config
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.rng = torch.Generator().manual_seed(seed)  # unseeded requests draw from this, not torch's global one
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_dtype = kv_dtype or model.dtype
+        shape = (num_blocks, block_size, *kv_row_shape(c, self.kv_dtype))
         # Uninitialised: attention reads only slots written before it (tests fill the pool with NaN to check), and
         # zeroing GiBs up front costs seconds of page faults at start-up; pages now fault in as blocks are first used.
-        self.kv_caches = [(torch.empty(shape, dtype=model.dtype), torch.empty(shape, dtype=model.dtype))
+        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype), torch.empty(shape, dtype=self.kv_dtype))
                           for _ in range(c.num_hidden_layers)]
         self.generators: dict[Hashable, torch.Generator] = {}
 
@@ -71,8 +78,9 @@ class ModelRunner:
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
         int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (
             config.quantization == "auto" and loaded.q4_weights) else ()
+        kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
-            loaded.config, config.block_size, dtype)
+            loaded.config, config.block_size, kv_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         if config.attention_backend != "reference":
@@ -80,10 +88,11 @@ class ModelRunner:
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
-                    "%d KV blocks of %d tokens", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
+                    "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
                     INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
-                    num_blocks, config.block_size)
-        return cls(model, num_blocks, config.block_size, eos, config.seed), loaded.tokenizer, loaded.name
+                    num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
+        runner = cls(model, num_blocks, config.block_size, eos, config.seed, kv_dtype)
+        return runner, loaded.tokenizer, loaded.name
 
     @property
     def model_config(self) -> ModelConfig:
@@ -133,7 +142,7 @@ class ModelRunner:
             [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids, grammar=grammar)
         if batch.is_plain_greedy and self.model.ext is not None:
-            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows], grammar))
+            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows], grammar), batch.banned)
         return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -16,6 +16,9 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+# The greedy fast path keeps each row's top 16 candidates (llama.RESCORE_TOP_K); with at most this many tokens banned
+# by min_tokens (the EOS ids and stop_token_ids), half of them are always left to pick from.
+FAST_GREEDY_MAX_BANNED = 8
 
 
 @dataclass
@@ -48,6 +51,7 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None  # bool [S, V]: token occurs in prompt or output (repetition penalty)
     output_counts: torch.Tensor | None  # float32 [S, V]: occurrences in the output (all three penalties)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf by min_tokens
+    max_banned_per_row: int
     generators: dict[int, torch.Generator]  # row -> the request's generator, for seeded non-greedy rows
     num_logprobs: int | None  # K = most top logprobs any row asked for; None if nobody asked
     grammar: GrammarMask | None = None  # structured outputs: -inf on the tokens their grammar forbids
@@ -117,6 +121,7 @@ class SamplingBatch:
             seen_mask=seen_mask,
             output_counts=output_counts,
             banned=banned,
+            max_banned_per_row=int(banned[0].bincount().max()) if banned is not None else 0,
             generators={
                 row: gen
                 for row, (gen, p) in enumerate(zip(generators, params, strict=True))
@@ -128,8 +133,10 @@ class SamplingBatch:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Greedy with nothing that needs the whole distribution: the top candidates and logsumexp suffice."""
-        return self.all_greedy and self.output_counts is None and self.banned is None and self.num_logprobs is None
+        """Greedy with nothing that needs the whole distribution: the top candidates and logsumexp suffice (a few
+        min_tokens bans included: a banned candidate just drops out of them)."""
+        return (self.all_greedy and self.output_counts is None and self.num_logprobs is None
+                and self.max_banned_per_row <= FAST_GREEDY_MAX_BANNED)
 
     @property
     def num_rows(self) -> int:
@@ -169,9 +176,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | No
     return _logprobs(raw, token_ids, batch.num_logprobs)
 
 
-def sample_greedy_from_top(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor) -> SamplerOutput:
+def sample_greedy_from_top(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                           banned: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
     """Greedy from each row's top candidates (values/ids [S, k]) and logsumexp [S]: the largest value, the lowest
-    id among equal ones (as argmax over the whole row picks)."""
+    id among equal ones (as argmax over the whole row picks); candidates `banned` (rows, ids) by min_tokens are
+    skipped, and the logprob stays the raw distribution's, as `sample` reports it."""
+    if banned is not None:
+        rows, toks = banned
+        hits = torch.zeros(ids.shape, dtype=torch.int32).index_put_((rows,), (ids[rows] == toks[:, None]).int(),
+                                                                     accumulate=True)
+        values = values.masked_fill(hits.bool(), _NEG_INF)
     best = values.max(dim=-1, keepdim=True).values
     token_ids = torch.where(values == best, ids, torch.iinfo(torch.int64).max).min(dim=-1).values
     return SamplerOutput(token_ids=token_ids, logprobs=best.squeeze(1) - lse, top_logprobs=None)

@@ -6,6 +6,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
                            int64_t tile_min_rows);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
 at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
@@ -22,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache", nogil);
+  m.def("write_kv", &write_kv, "Store keys/values at their cache slots (int8 cache: records, per 16 values an fp16 "
+        "scale and min)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (if given), then RMSNorm(residual) * weight", nogil);
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused [gate | up] projection", nogil);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half convention", nogil);

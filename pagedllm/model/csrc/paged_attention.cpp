@@ -8,11 +8,14 @@
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
 //    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
+// The cache holds float32, bfloat16, or int8 rows (uint8 records: head_dim values, then an fp16 scale and min per
+// group of kKvGroup, value = q * scale + min; quantised by write_kv below), converted to fp32 as they are read.
 // Vectors are GCC vector extensions (16 floats); with -march=native they compile to AVX-512 where present
 // and to narrower registers elsewhere. Work items go to threads dynamically, largest first.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +33,9 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint8_t vb16 __attribute__((vector_size(16)));
+
+constexpr int64_t kKvGroup = 16;  // int8 cache: values per (scale, min) pair
 
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
 constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)
@@ -88,6 +94,46 @@ inline void row_to_f32(const at::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
+// One int8 record (head_dim values, then (scale, min) in fp16 per group) to fp32.
+inline void row_to_f32(const uint8_t* src, float* dst, int64_t n) {
+  const uint8_t* params = src + n;
+  for (int64_t g = 0; g < n; g += kKvGroup) {
+    uint16_t sm[2];
+    std::memcpy(sm, params + g / kKvGroup * sizeof(sm), sizeof(sm));
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(_cvtsh_ss(sm[0])), mn = _mm512_set1_ps(_cvtsh_ss(sm[1]));
+    for (int64_t i = g; i < g + kKvGroup; i += 16) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm512_storeu_ps(dst + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), scale, mn));
+    }
+#else
+    const v16 scale = vset(static_cast<float>(c10::Half(sm[0], c10::Half::from_bits())));
+    const v16 mn = vset(static_cast<float>(c10::Half(sm[1], c10::Half::from_bits())));
+    for (int64_t i = g; i < g + kKvGroup; i += 16) {
+      vb16 b;
+      std::memcpy(&b, src + i, sizeof(b));
+      vstore(dst + i, __builtin_convertvector(b, v16) * scale + mn);
+    }
+#endif
+  }
+}
+
+// Cache elements of one kv head's row of one token: head_dim, and the int8 records' parameters.
+template <typename kv_t>
+constexpr int64_t row_len(int64_t D) {
+  return std::is_same_v<kv_t, uint8_t> ? D + D / kKvGroup * 2 * static_cast<int64_t>(sizeof(at::Half)) : D;
+}
+
+// `heads` consecutive kv-head rows of one token to fp32 rows of D.
+template <typename kv_t>
+inline void rows_to_f32(const kv_t* src, float* dst, int64_t D, int64_t heads) {
+  if constexpr (std::is_same_v<kv_t, uint8_t>) {
+    for (int64_t h = 0; h < heads; ++h) row_to_f32(src + h * row_len<kv_t>(D), dst + h * D, D);
+  } else {
+    row_to_f32(src, dst, heads * D);
+  }
+}
+
 // One call's inputs, shared read-only by all tasks.
 template <typename kv_t>
 struct Problem {
@@ -102,6 +148,7 @@ struct Problem {
   const int32_t* query_start_loc;
   int64_t H, KVH, G, D, BS, MB;
   float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
+  int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token
 };
 
 // Queries [q_begin, q_end) of one sequence against kv heads [kv_begin, kv_end).
@@ -146,7 +193,7 @@ inline void store_out(const Problem<kv_t>& P, int64_t tok, int64_t head, const f
 template <typename kv_t>
 inline void chunk_offsets(const Problem<kv_t>& P, int64_t s, int64_t c0, int64_t cn, int64_t* base) {
   const int32_t* bt = P.block_tables + s * P.MB;
-  const int64_t row = P.KVH * P.D;
+  const int64_t row = P.KVH * P.RL;
   int64_t b = c0 / P.BS, o = c0 % P.BS;
   for (int64_t t = 0; t < cn; ++t) {
     base[t] = (static_cast<int64_t>(bt[b]) * P.BS + o) * row;
@@ -160,13 +207,13 @@ template <typename kv_t>
 inline void gather_rows(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t g, float* kbuf,
                         float* vbuf, const float** krow, const float** vrow) {
   for (int64_t t = 0; t < cn; ++t) {
-    const int64_t off = base[t] + g * P.D;
+    const int64_t off = base[t] + g * P.RL;
     if constexpr (std::is_same_v<kv_t, float>) {
       krow[t] = P.k + off;
       vrow[t] = P.v + off;
     } else {
-      row_to_f32(P.k + off, kbuf + t * P.D, P.D);
-      row_to_f32(P.v + off, vbuf + t * P.D, P.D);
+      rows_to_f32(P.k + off, kbuf + t * P.D, P.D, 1);
+      rows_to_f32(P.v + off, vbuf + t * P.D, P.D, 1);
       krow[t] = kbuf + t * P.D;
       vrow[t] = vbuf + t * P.D;
     }
@@ -238,7 +285,8 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
   const int64_t R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin, NR = R * G * ng, RG = R * G;
   const int64_t first_pos = L - n + w.q_begin, last_pos = L - n + w.q_end - 1;
-  const int64_t span = ng * D;  // elements of one token's rows for this item's kv heads
+  const int64_t span = ng * D;  // fp32 elements of one token's rows for this item's kv heads
+  const int64_t span_bytes = ng * P.RL * static_cast<int64_t>(sizeof(kv_t));  // the same rows in the cache
   constexpr int64_t C = kRowsChunk;
 
   size_t off = 0;
@@ -264,7 +312,7 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   std::fill(m, m + NR, kNegInf);
   std::fill(l, l + NR, 0.0f);
   const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t head_off = w.kv_begin * D;
+  const int64_t head_off = w.kv_begin * P.RL;
 
   chunk_offsets(P, s, 0, std::min(C, last_pos + 1), base_buf[0]);
   for (int64_t c0 = 0, ci = 0; c0 <= last_pos; c0 += C, ci ^= 1) {
@@ -275,13 +323,13 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
 
     // Scores, token-major. Rows whose query precedes key t get -inf.
     for (int64_t t = 0; t < cn; ++t) {
-      prefetch_l2(P.v + base[t] + head_off, span * sizeof(kv_t));
-      if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span * sizeof(kv_t));
+      prefetch_l2(P.v + base[t] + head_off, span_bytes);
+      if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span_bytes);
       const float* kt;
       if constexpr (std::is_same_v<kv_t, float>) {
         kt = P.k + base[t] + head_off;
       } else {
-        row_to_f32(P.k + base[t] + head_off, kbuf, span);
+        rows_to_f32(P.k + base[t] + head_off, kbuf, D, ng);
         kt = kbuf;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
@@ -334,7 +382,7 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       vt0 = nullptr;
       vstride = 0;
     } else {
-      for (int64_t t = 0; t < cn; ++t) row_to_f32(P.v + base[t] + head_off, vbuf + t * span, span);
+      for (int64_t t = 0; t < cn; ++t) rows_to_f32(P.v + base[t] + head_off, vbuf + t * span, D, ng);
       vt0 = vbuf;
       vstride = span;
     }
@@ -498,8 +546,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "caches must be float32 or bfloat16");
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 || int8_cache,
+              "caches must be float32, bfloat16 or uint8 (int8 records)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
@@ -512,8 +561,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t S = block_tables.size(0), MB = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and cache differ");
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  if (int8_cache) {
+    TORCH_CHECK(D % kKvGroup == 0, "int8 cache: head_dim must be a multiple of ", kKvGroup);
+    TORCH_CHECK(k_cache.size(3) == row_len<uint8_t>(D), "int8 cache: rows must be head_dim + 4 * head_dim / ",
+                kKvGroup, " bytes");
+  } else {
+    TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and cache differ");
+  }
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(context_lens.numel() == S && query_start_loc.numel() == S + 1, "batch sizes disagree");
   TORCH_CHECK(tile_min_rows >= 1, "tile_min_rows must be >= 1");
@@ -590,6 +645,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
                            H, KVH, G, D, BS, MB, scale_log2};
     run(P, items, scratch_floats, Mp);
+  } else if (int8_cache) {
+    const Problem<uint8_t> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
+                             k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bt, ctx, qsl,
+                             H, KVH, G, D, BS, MB, scale_log2};
+    run(P, items, scratch_floats, Mp);
   } else {
     const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
@@ -597,4 +657,92 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     run(P, items, scratch_floats, Mp);
   }
   return out;
+}
+
+namespace {
+
+// One kv-head row of D values to an int8 record: per group, min and (max - min) / 255 rounded to fp16 first, so
+// that the values are quantised against exactly the parameters stored.
+template <typename T>
+void quantize_row(const T* x, uint8_t* rec, int64_t D) {
+  uint8_t* params = rec + D;
+  for (int64_t g = 0; g < D; g += kKvGroup) {
+    float lo = static_cast<float>(x[g]), hi = lo;
+    for (int64_t i = g + 1; i < g + kKvGroup; ++i) {
+      const float v = static_cast<float>(x[i]);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    const at::Half sm[2] = {at::Half((hi - lo) / 255.0f), at::Half(lo)};
+    std::memcpy(params + g / kKvGroup * sizeof(sm), sm, sizeof(sm));
+    const float scale = static_cast<float>(sm[0]), mn = static_cast<float>(sm[1]);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int64_t i = g; i < g + kKvGroup; ++i) {
+      const float qv = std::nearbyint((static_cast<float>(x[i]) - mn) * inv);
+      rec[i] = static_cast<uint8_t>(std::clamp(qv, 0.0f, 255.0f));
+    }
+  }
+}
+
+// The rows of x [T, KVH, D] (last dim contiguous) to their slots of the cache: copied (same dtype), or quantised
+// into int8 records (uint8 cache).
+template <typename T, typename C>
+void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
+  const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2), RL = cache.size(3);
+  const T* src = x.data_ptr<T>();
+  C* dst = cache.data_ptr<C>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T_, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        C* rec = dst + (slots[t] * KVH + h) * RL;
+        if constexpr (std::is_same_v<C, uint8_t>)
+          quantize_row(src + t * s0 + h * s1, rec, D);
+        else
+          std::memcpy(rec, src + t * s0 + h * s1, D * sizeof(T));
+      }
+  });
+}
+
+}  // namespace
+
+// Stores the step's keys and values [T, num_kv_heads, head_dim] (last dim contiguous) at their cache slots
+// (block_id * block_size + offset), in place: copied into a float32 / bfloat16 cache of their own dtype, quantised
+// into an int8 (uint8 records) one.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [T, num_kv_heads, head_dim] with a contiguous last dimension");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "k and v must be float32 or bfloat16");
+  const bool int8_cache = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (int8_cache || k_cache.scalar_type() == k.scalar_type()),
+              "the cache must be k's dtype, or uint8 (int8 records)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, row]");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  TORCH_CHECK(k_cache.size(2) == KVH && (int8_cache ? D % kKvGroup == 0 && k_cache.size(3) == row_len<uint8_t>(D)
+                                                    : k_cache.size(3) == D),
+              "cache rows do not match k's heads and head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "slot_mapping must be T contiguous int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  if (k.scalar_type() == at::kFloat) {
+    if (int8_cache) {
+      store_rows<float, uint8_t>(k, k_cache, slots);
+      store_rows<float, uint8_t>(v, v_cache, slots);
+    } else {
+      store_rows<float, float>(k, k_cache, slots);
+      store_rows<float, float>(v, v_cache, slots);
+    }
+  } else if (int8_cache) {
+    store_rows<at::BFloat16, uint8_t>(k, k_cache, slots);
+    store_rows<at::BFloat16, uint8_t>(v, v_cache, slots);
+  } else {
+    store_rows<at::BFloat16, at::BFloat16>(k, k_cache, slots);
+    store_rows<at::BFloat16, at::BFloat16>(v, v_cache, slots);
+  }
 }
