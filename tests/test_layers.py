@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.model import kernels
+from pagedllm.model import kernels, layers
 from pagedllm.model.layers import (
     INT4_MAX_ROWS,
     Int4Weight,
@@ -251,14 +251,19 @@ def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: b
     assert not Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, None)
 
 
+@pytest.mark.parametrize("column_block", [4096, 16, 20], ids=["one-block", "three-blocks", "ragged-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33, 100])
-def test_int8_matmul_is_the_quantized_product(ext, dtype: torch.dtype, rows: int) -> None:
+def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dtype, rows: int,
+                                              column_block: int) -> None:
     """w8a8: the exact product of the int8 rows and weights, scaled back (so the only error is the quantisation),
-    which stays within a few hundredths of the float product for well-spread values."""
+    which stays within a few hundredths of the float product for well-spread values; the same whether the GEMM
+    runs over all output columns at once or a block of columns at a time."""
+    monkeypatch.setattr(layers, "INT8_COLUMN_BLOCK", column_block)
     gen = torch.Generator().manual_seed(rows)
     w, x, bias = torch.randn(48, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(48)
     weight = Int8Weight(w.to(dtype), ext)
+    assert len(weight.blocks) == -(-48 // column_block)
     out = weight.mm(x.to(dtype), bias.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, 48)
     xs = x.to(dtype).float().abs().amax(1, keepdim=True) / 127

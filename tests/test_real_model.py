@@ -14,6 +14,8 @@ from test_int4 import logprob_error, teacher_forced_logprobs
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_backend import load_hf_model
+from pagedllm.model import kernels
+from pagedllm.model.layers import PackedWeight
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +84,10 @@ def test_bf16_single_stream_on_4bit_weights_close_to_fp32(hf_smollm2):
     model, tok = hf_smollm2
     hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB")
-    assert llm.engine.runner.model.num_int4_matmuls == 4 * 30
+    ext = kernels.load()
+    int4_kernel = ext is not None and ext.int4_linear_supported()
+    # Without AVX512-BF16 the kernel is absent and the same check covers bf16 over the dequantised weights.
+    assert llm.engine.runner.model.num_int4_matmuls == (4 * 30 if int4_kernel else 0)
     ours_err = hf_err = 0.0
     for prompt in PROMPTS[:3]:
         ids = tok.encode(prompt)
@@ -115,7 +120,8 @@ def test_default_path_passes_the_accuracy_gate():
     assert kv["first_token_agreement"] >= 0.9 and kv["error_vs_bf16"] <= 1.6, kv
     assert kv["mean_top5_logprob_error"] != result["auto"]["mean_top5_logprob_error"]
     assert result["bf16"]["first_token_agreement"] >= 0.95
-    assert result["w8a8"]["mean_top5_logprob_error"] > result["auto"]["mean_top5_logprob_error"]
+    if PackedWeight.available(torch.bfloat16):  # int8 weights ride on packed ones: without native bf16, w8a8 is bf16
+        assert result["w8a8"]["mean_top5_logprob_error"] > result["auto"]["mean_top5_logprob_error"]
 
 
 def test_chat_knows_the_capital_of_france():

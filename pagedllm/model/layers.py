@@ -14,6 +14,8 @@ import torch.nn.functional as F
 # 8-14% ahead at 16 rows and even with bf16, within run-to-run noise, from 24 to 64 (docs/performance.md:
 # docs/scripts/int4_rows.py, int4_kernels.py).
 INT4_MAX_ROWS = 32
+# Output columns per int8 GEMM call (Int8Weight): 4 MB of int32 products at 256 rows, which the caches hold.
+INT8_COLUMN_BLOCK = 4096
 
 
 class Int4Weight:
@@ -53,17 +55,26 @@ class Int8Weight:
     """A weight in int8, one scale per output row (w8a8): activations are quantised per row (token) on the fly and
     the product runs in int8 (oneDNN's VNNI path; about 2x bf16's GEMM rate on AVX512-VNNI without AMX), then scaled
     back in one pass (csrc/int8_linear.cpp). Numerics change beyond bf16 rounding: opt-in, or by default where the
-    accuracy gate passes (docs/performance.md)."""
+    accuracy gate passes (docs/performance.md).
+
+    The product runs INT8_COLUMN_BLOCK output columns at a time: in one call over the lm_head's 49,152 columns,
+    oneDNN fell from ~680 to ~400 GOPS past 160 rows (its int32 output outgrew the caches), in blocks it held
+    ~700 (`python docs/scripts/int8_column_blocks.py`)."""
 
     def __init__(self, plain: torch.Tensor, ext: ModuleType) -> None:
         w = plain.float()
         self.scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).contiguous()
         self.q_t = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).t()  # [in, out] view
+        self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, self.q_t.shape[1], INT8_COLUMN_BLOCK)]
         self.ext = ext
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
-        return self.ext.dequantize_int32(torch._int_mm(q, self.q_t), scale, self.scale, bias, x.dtype)
+        out = x.new_empty(x.shape[0], self.q_t.shape[1])
+        for cols in self.blocks:
+            acc = torch._int_mm(q, self.q_t[:, cols])
+            self.ext.dequantize_int32(acc, scale, self.scale[cols], None if bias is None else bias[cols], out[:, cols])
+        return out
 
 
 class PackedWeight:

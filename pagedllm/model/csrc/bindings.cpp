@@ -17,8 +17,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& mins);
 bool int4_linear_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x);
-at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
-                            const c10::optional<at::Tensor>& bias, at::ScalarType dtype);
+void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
+                      const c10::optional<at::Tensor>& bias, at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -33,5 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ W.T for 4-bit GGUF weights (w = q * d + m per 32 inputs)", nogil);
   m.def("int4_linear_supported", &int4_linear_supported, "Whether this build has int4_linear's instructions");
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 with its own scale (absmax / 127)", nogil);
-  m.def("dequantize_int32", &dequantize_int32, "acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
+  m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
 }

@@ -1,7 +1,8 @@
 // Linear layers with int8 weights and int8 activations (w8a8), as llama.cpp computes by default: each activation
 // row (token) is quantised on the fly with its own scale, each weight row (output channel) once at load; the int8
 // matmul itself is torch._int_mm (oneDNN, VNNI). These two passes bracket it: quantise the rows, then scale the
-// int32 products back in one pass (no fp32 [M, N] temporary).
+// int32 products back in one pass (no fp32 [M, N] temporary), into a block of columns of the output when the
+// caller runs the matmul a block of columns at a time.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,12 +36,12 @@ void quantize_rows(const T* x, int8_t* q, float* scale, int64_t rows, int64_t n)
 
 template <typename T>
 void dequantize_rows(const int32_t* acc, const float* row_scale, const float* col_scale, const T* bias, T* out,
-                     int64_t rows, int64_t n) {
+                     int64_t out_stride, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int32_t* a = acc + r * n;
       const float s = row_scale[r];
-      T* o = out + r * n;
+      T* o = out + r * out_stride;
       if (bias != nullptr) {
         for (int64_t i = 0; i < n; ++i)
           o[i] = static_cast<T>(static_cast<float>(a[i]) * s * col_scale[i] + static_cast<float>(bias[i]));
@@ -65,16 +66,18 @@ std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   return {q, scale};
 }
 
-at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
-                            const c10::optional<at::Tensor>& bias, at::ScalarType dtype) {
+void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
+                      const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), "acc must be int32 [M, N]");
   const int64_t rows = acc.size(0), n = acc.size(1);
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == rows && row_scale.is_contiguous(),
               "row_scale must be float32 [M]");
   TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.numel() == n && col_scale.is_contiguous(),
               "col_scale must be float32 [N]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
-  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "out must be float32 or bfloat16");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == n && (n <= 1 || out.stride(1) == 1),
+              "out must be [M, N] with contiguous rows (a block of columns of a wider tensor is fine)");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "dequantize_int32", [&] {
     const scalar_t* b = nullptr;
     if (bias.has_value()) {
@@ -82,7 +85,6 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, 
       b = bias->data_ptr<scalar_t>();
     }
     dequantize_rows<scalar_t>(acc.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
-                              b, out.data_ptr<scalar_t>(), rows, n);
+                              b, out.data_ptr<scalar_t>(), out.stride(0), rows, n);
   });
-  return out;
 }

@@ -3,8 +3,10 @@
 //
 // Two kernels, both with online softmax and fp32 accumulation, both reading keys in chunks of consecutive
 // positions that may span blocks (so any block size, down to 1, costs the same):
-//  - attend_rows: decodes and very short chunks. Memory bound: keys are streamed token-major, each K/V row
-//    is read once for all query heads of its kv group, scores are dot products.
+//  - attend_rows: decodes and very short chunks. Memory bound: each K/V row is read once for all query heads
+//    of its kv group, scores are dot products. Over a bf16 cache with bf16 queries (AVX512-BF16) the scores of
+//    16 keys come from vdpbf16ps on the stored rows and one transposing reduction, and V rows are converted
+//    in registers: no row is copied to fp32 first.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
 //    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
@@ -220,22 +222,68 @@ inline void gather_rows(const Problem<kv_t>& P, const int64_t* base, int64_t cn,
   }
 }
 
-// Prefetches `bytes` starting at p into L2 (the rows of a token that the next pass will read).
-inline void prefetch_l2(const void* p, int64_t bytes) {
+// Prefetches `bytes` starting at p into L2 (the rows of a token that the next pass will read). Always inlined:
+// called through a lambda that GCC did not inline, the call was judged free of side effects and the prefetches
+// were dropped (the decode kernel then ran 1.9x slower from memory).
+__attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+#if defined(__AVX512BF16__)
+// Lane t of the result = the sum of the 16 lanes of v[t]: four rounds, each adding two halves of a pair of
+// vectors into one (15 adds, 30 shuffles and one permute for 16 sums, against 16 horizontal sums of 8 steps).
+inline __m512 sum_lanes_16(__m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // r[i]: lanes 0-7 fold v[2i], lanes 8-15 fold v[2i+1]
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // s[i]: 128-bit block b folds token 4i + b
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // u[i]: block b holds two partials of tokens 8i + b and 8i + 4 + b
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  // block b, lane i: token b + 4i
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  const __m512i to_token = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(to_token, w);
+}
+
+// out[t] = mul * (q . k[t]) for 16 keys of D bf16 values (D % 32 == 0): products of bf16 pairs, exact in fp32,
+// summed into fp32 lanes by vdpbf16ps, so the keys are never converted.
+inline void scores_bf16_16(const uint16_t* q, const uint16_t* const* krow, int64_t D, float mul, float* out) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t)
+      acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(mul)));
+}
+#endif
+
+// 16 fp32 values of a V row, from fp32 or (converted in registers) bf16.
+inline v16 load16(const float* p) { return vload(p); }
+inline v16 load16(const at::BFloat16* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v16)(__builtin_convertvector(h, vi16) << 16);
+}
+
 // O[rb][d0..d0+16W) = O * alpha[rb] + sum_t P[t * ts + rb * rs] * V[t][d0..) for RB rows rb (row stride D).
-template <int RB, int W>
+template <int RB, int W, typename row_t>
 inline void pv_micro(float* O, int64_t D, const float* alpha, const float* P, int64_t ts, int64_t rs,
-                     const float* const* vrow, int64_t d0, int64_t cn) {
+                     const row_t* const* vrow, int64_t d0, int64_t cn) {
   v16 acc[RB][W];
   for (int r = 0; r < RB; ++r)
     for (int w = 0; w < W; ++w) acc[r][w] = vload(O + r * D + 16 * w) * alpha[r];
   for (int64_t t = 0; t < cn; ++t) {
     v16 vv[W];
-    for (int w = 0; w < W; ++w) vv[w] = vload(vrow[t] + d0 + 16 * w);
+    for (int w = 0; w < W; ++w) vv[w] = load16(vrow[t] + d0 + 16 * w);
     for (int r = 0; r < RB; ++r) {
       const float pt = P[t * ts + r * rs];
       for (int w = 0; w < W; ++w) acc[r][w] += pt * vv[w];
@@ -246,8 +294,9 @@ inline void pv_micro(float* O, int64_t D, const float* alpha, const float* P, in
 }
 
 // pv_micro over `rows` rows (any count) and the whole head_dim.
+template <typename row_t>
 inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int64_t ts, int64_t rs,
-                    const float* const* vrow, int64_t cn, int64_t rows) {
+                    const row_t* const* vrow, int64_t cn, int64_t rows) {
   for (int64_t r = 0; r < rows; r += 4) {
     const int64_t rb = std::min<int64_t>(4, rows - r);
     float* o = O + r * D;
@@ -275,6 +324,75 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
   }
 }
 
+// Whether attend_rows computes scores straight from bf16 queries and keys (vdpbf16ps), with no conversion.
+template <typename kv_t>
+inline bool bf16_scores(const Problem<kv_t>& P) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// Scores S[row][t] of one chunk, token-major over fp32 rows: each token's K rows (all kv heads of the item) are
+// converted once and dotted with every query row of their group. Rows whose query precedes key t get -inf.
+template <typename kv_t, typename F>
+void chunk_scores_f32(const Problem<kv_t>& P, const WorkItem& w, const float* q, const int64_t* base, int64_t cn,
+                      int64_t c0, int64_t first_pos, float* kbuf, float* S, F&& prefetch) {
+  const int64_t D = P.D, G = P.G, R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin;
+  const int64_t head_off = w.kv_begin * P.RL;
+  for (int64_t t = 0; t < cn; ++t) {
+    prefetch(t);
+    const float* kt;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      kt = P.k + base[t] + head_off;
+    } else {
+      rows_to_f32(P.k + base[t] + head_off, kbuf, D, ng);
+      kt = kbuf;
+    }
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const float* kr = kt + gi * D;
+      for (int64_t ii = 0; ii < R; ++ii) {
+        const bool visible = c0 + t <= first_pos + ii;
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t row = (gi * R + ii) * G + j;
+          const float* qr = q + row * D;
+          v16 a = vload(qr) * vload(kr);
+          for (int64_t d = 16; d < D; d += 16) a += vload(qr + d) * vload(kr + d);
+          S[row * kRowsChunk + t] = visible ? hsum(a) : kNegInf;
+        }
+      }
+    }
+  }
+}
+
+// The same scores from bf16 queries (qh, unscaled) and keys, 16 keys at a time per row (see scores_bf16_16).
+// Keys past the chunk read `zero`; entries a query must not see are left to the softmax's `valid` bound.
+// `prefetch(t)` is called for t = 0 .. cn-1, spread between the score computations.
+template <typename kv_t, typename F>
+void chunk_scores_bf16(const Problem<kv_t>& P, const WorkItem& w, const uint16_t* qh, const int64_t* base,
+                       int64_t cn, const uint16_t* zero, float* S, F&& prefetch) {
+#if defined(__AVX512BF16__)
+  const int64_t D = P.D, G = P.G, R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin;
+  const int64_t calls = (cn + 15) / 16 * ng * R * G, per_call = (cn + calls - 1) / calls;
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(P.k);
+  int64_t pt = 0;
+  for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t head_off = (w.kv_begin + gi) * P.RL;
+      const uint16_t* krow[16];
+      for (int64_t t = 0; t < 16; ++t) krow[t] = t0 + t < cn ? k + base[t0 + t] + head_off : zero;
+      for (int64_t r = gi * R * G; r < (gi + 1) * R * G; ++r) {
+        for (const int64_t end = std::min(cn, pt + per_call); pt < end; ++pt) prefetch(pt);
+        scores_bf16_16(qh + r * D, krow, D, P.scale_log2, S + r * kRowsChunk + t0);
+      }
+    }
+  }
+#else
+  (void)P, (void)w, (void)qh, (void)base, (void)cn, (void)zero, (void)S, (void)prefetch;
+#endif
+}
+
 // Decodes and short chunks: rows = (query, head) pairs, scores as dot products over head_dim. Keys and
 // values are read token-major (a token's rows for all kv heads of the item are adjacent in the cache);
 // the next chunk's keys and this chunk's values are prefetched while the scores are computed.
@@ -288,26 +406,35 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   const int64_t span = ng * D;  // fp32 elements of one token's rows for this item's kv heads
   const int64_t span_bytes = ng * P.RL * static_cast<int64_t>(sizeof(kv_t));  // the same rows in the cache
   constexpr int64_t C = kRowsChunk;
+  const bool bf16 = bf16_scores(P);
 
   size_t off = 0;
-  float* q = sc.take(NR * D, off);
+  float* q = sc.take(NR * D, off);  // fp32 rows scaled to log2 units, or (bf16) the raw bf16 rows
   float* acc = sc.take(NR * D, off);
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
   float* alpha = sc.take(NR, off);
   float* S = sc.take(NR * C, off);  // S[row][t]: scores, then probabilities
-  float* kbuf = sc.take(span, off);
+  float* kbuf = sc.take(span, off);  // (bf16: a zero row for the keys past a chunk's end)
   float* vbuf = sc.take(C * span, off);
   int64_t base_buf[2][C];
   const float** vrow = sc.vrow.data();
+  uint16_t* qh = reinterpret_cast<uint16_t*>(q);
+  const uint16_t* zero = reinterpret_cast<const uint16_t*>(kbuf);
 
   // row = (gi * R + ii) * G + j  <->  query tok0 + ii, head (kv_begin + gi) * G + j
   for (int64_t gi = 0; gi < ng; ++gi)
     for (int64_t ii = 0; ii < R; ++ii)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
-        for (int64_t d = 0; d < D; ++d) q[row * D + d] = q_at(P, tok0 + ii, head, d) * P.scale_log2;
+        if (bf16) {
+          const auto* src = static_cast<const uint16_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
+          std::memcpy(qh + row * D, src, D * sizeof(uint16_t));
+        } else {
+          for (int64_t d = 0; d < D; ++d) q[row * D + d] = q_at(P, tok0 + ii, head, d) * P.scale_log2;
+        }
       }
+  if (bf16) std::fill(kbuf, kbuf + D, 0.0f);
   std::fill(acc, acc + NR * D, 0.0f);
   std::fill(m, m + NR, kNegInf);
   std::fill(l, l + NR, 0.0f);
@@ -320,32 +447,15 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
     const int64_t* base = base_buf[ci];
     const int64_t next_cn = std::max<int64_t>(0, std::min(C, last_pos + 1 - c0 - C));
     if (next_cn > 0) chunk_offsets(P, s, c0 + C, next_cn, base_buf[ci ^ 1]);
-
-    // Scores, token-major. Rows whose query precedes key t get -inf.
-    for (int64_t t = 0; t < cn; ++t) {
+    // This chunk's values and the next chunk's keys, fetched while the scores are computed.
+    const auto prefetch = [&](int64_t t) __attribute__((always_inline)) {
       prefetch_l2(P.v + base[t] + head_off, span_bytes);
       if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span_bytes);
-      const float* kt;
-      if constexpr (std::is_same_v<kv_t, float>) {
-        kt = P.k + base[t] + head_off;
-      } else {
-        rows_to_f32(P.k + base[t] + head_off, kbuf, D, ng);
-        kt = kbuf;
-      }
-      for (int64_t gi = 0; gi < ng; ++gi) {
-        const float* kr = kt + gi * D;
-        for (int64_t ii = 0; ii < R; ++ii) {
-          const bool visible = c0 + t <= first_pos + ii;
-          for (int64_t j = 0; j < G; ++j) {
-            const int64_t row = (gi * R + ii) * G + j;
-            const float* qr = q + row * D;
-            v16 a = vload(qr) * vload(kr);
-            for (int64_t d = 16; d < D; d += 16) a += vload(qr + d) * vload(kr + d);
-            S[row * C + t] = visible ? hsum(a) : kNegInf;
-          }
-        }
-      }
-    }
+    };
+    if (bf16)
+      chunk_scores_bf16(P, w, qh, base, cn, zero, S, prefetch);
+    else
+      chunk_scores_f32(P, w, q, base, cn, c0, first_pos, kbuf, S, prefetch);
 
     // Online softmax per row over this chunk; masked and padding entries become exact zeros.
     for (int64_t row = 0; row < NR; ++row) {
@@ -375,26 +485,20 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       m[row] = mx;
     }
 
-    // Values: acc = acc * alpha + P V, one kv head at a time, accumulators in registers.
-    const float* vt0;
-    int64_t vstride;
-    if constexpr (std::is_same_v<kv_t, float>) {
-      vt0 = nullptr;
-      vstride = 0;
-    } else {
-      for (int64_t t = 0; t < cn; ++t) rows_to_f32(P.v + base[t] + head_off, vbuf + t * span, D, ng);
-      vt0 = vbuf;
-      vstride = span;
-    }
+    // Values: acc = acc * alpha + P V, one kv head at a time, accumulators in registers; fp32 and bf16 rows are
+    // read in place, int8 records converted first.
     for (int64_t gi = 0; gi < ng; ++gi) {
-      for (int64_t t = 0; t < cn; ++t) {
-        if constexpr (std::is_same_v<kv_t, float>)
-          vrow[t] = P.v + base[t] + head_off + gi * D;
-        else
-          vrow[t] = vt0 + t * vstride + gi * D;
+      const int64_t r0 = gi * RG, off_g = head_off + gi * P.RL;
+      if constexpr (std::is_same_v<kv_t, uint8_t>) {
+        if (gi == 0)
+          for (int64_t t = 0; t < cn; ++t) rows_to_f32(P.v + base[t] + head_off, vbuf + t * span, D, ng);
+        for (int64_t t = 0; t < cn; ++t) vrow[t] = vbuf + t * span + gi * D;
+        pv_rows(acc + r0 * D, D, alpha + r0, S + r0 * C, 1, C, vrow, cn, RG);
+      } else {
+        const kv_t* rows[C];
+        for (int64_t t = 0; t < cn; ++t) rows[t] = P.v + base[t] + off_g;
+        pv_rows(acc + r0 * D, D, alpha + r0, S + r0 * C, 1, C, rows, cn, RG);
       }
-      const int64_t r0 = gi * RG;
-      pv_rows(acc + r0 * D, D, alpha + r0, S + r0 * C, 1, C, vrow, cn, RG);
     }
   }
   for (int64_t gi = 0; gi < ng; ++gi)
