@@ -223,6 +223,11 @@ class LLMEngine:
         """Matmuls that run the checkpoint's 4-bit weights as stored (for small steps)."""
         return self.runner.model.num_int4_matmuls
 
+    def wait_for_kv_cache(self, timeout: float | None = None) -> bool:
+        """Wait until the KV pool's memory is mapped (a background thread maps it from start-up, so that no step
+        faults pages in); a benchmark starts its clock after this, as vLLM's after zero-filling its cache."""
+        return self.runner.prefault.wait(timeout)
+
     # ---- statistics and control -------------------------------------------------------------------
     def stats(self) -> EngineCounters:
         bm = self.block_manager

@@ -18,6 +18,7 @@ from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata, LlamaModel
 from pagedllm.model.loader import ModelConfig, load_model
+from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -62,6 +63,7 @@ class ModelRunner:
         # zeroing GiBs up front costs seconds of page faults at start-up; pages now fault in as blocks are first used.
         self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype), torch.empty(shape, dtype=self.kv_dtype))
                           for _ in range(c.num_hidden_layers)]
+        self.prefault = KVPrefault([t for pair in self.kv_caches for t in pair])  # mapped in the background
         self.generators: dict[Hashable, torch.Generator] = {}
 
     @classmethod
