@@ -39,11 +39,12 @@ def assert_matches(fused: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_add_rms_norm(ext, dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 576), (300, 576), (5, 100), (3, 7)])
+def test_add_rms_norm(ext, dtype: torch.dtype, rows: int, hidden: int) -> None:
+    """Widths beyond multiples of 32 take the kernels' one-by-one tail."""
     g = torch.Generator().manual_seed(rows)
-    x, residual = (torch.randn(rows, 576, generator=g).to(dtype) for _ in range(2))
-    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x, residual = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     ref_residual = residual.clone()
     ref = add_rms_norm(x, ref_residual, weight, 1e-5)
     fused_residual = residual.clone()
@@ -55,26 +56,43 @@ def test_add_rms_norm(ext, dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu(ext, dtype: torch.dtype) -> None:
-    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+@pytest.mark.parametrize("width", [1536, 40, 5])
+def test_swiglu(ext, dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(33, 2 * width, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturation and zero
     assert_matches(swiglu(gate_up, ext), swiglu(gate_up))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place(ext, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 80, 16])
+def test_rotary_in_place(ext, dtype: torch.dtype, head_dim: int) -> None:
     g = torch.Generator().manual_seed(1)
-    rotary = RotaryEmbedding(64, 4096, 10000.0, None, dtype)
-    qkv = torch.randn(19, (9 + 3 + 3) * 64, generator=g).to(dtype)  # q and k are strided views, as in the model
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    d = head_dim  # q and k are strided views of one qkv row, as in the model
+    qkv = torch.randn(19, (9 + 3 + 3) * d, generator=g).to(dtype)
     positions = torch.randint(0, 4096, (19,), generator=g)
-    q, k = qkv[:, :576].view(19, 9, 64), qkv[:, 576:768].view(19, 3, 64)
+    q, k = qkv[:, :9 * d].view(19, 9, d), qkv[:, 9 * d:12 * d].view(19, 3, d)
     ref_q, ref_k = rotary(positions, q, k)
-    v_before = qkv[:, 768:].clone()
+    v_before = qkv[:, 12 * d:].clone()
     out_q, out_k = rotary(positions, q, k, ext)
     assert out_q.data_ptr() == q.data_ptr()
     assert_matches(out_q, ref_q)
     assert_matches(out_k, ref_k)
-    assert torch.equal(qkv[:, 768:], v_before)
+    assert torch.equal(qkv[:, 12 * d:], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_come_through_as_in_torch(ext, dtype: torch.dtype) -> None:
+    """In the vector part of a row (the first 32 values) and in its tail: the bf16 rounding keeps them."""
+    g = torch.Generator().manual_seed(4)
+    residual = torch.randn(3, 40, generator=g).to(dtype)
+    residual[0, 5], residual[1, 35] = float("inf"), float("nan")  # a row of 0s and one NaN; a row of NaNs
+    weight = (torch.rand(40, generator=g) + 0.5).to(dtype)
+    fused, ref = add_rms_norm(None, residual, weight, 1e-5, ext), rms_norm(residual, weight, 1e-5)
+    torch.testing.assert_close(fused, ref, rtol=2 ** -6, atol=1e-6, equal_nan=True)
+    gate_up = torch.randn(2, 80, generator=g).to(dtype)
+    gate_up[0, [3, 4, 35, 36]] = torch.tensor([float("nan"), float("inf"), float("nan"), float("inf")], dtype=dtype)
+    torch.testing.assert_close(swiglu(gate_up, ext), swiglu(gate_up), rtol=2 ** -6, atol=1e-6, equal_nan=True)
 
 
 def test_bad_input_is_an_error_not_a_crash(ext) -> None:

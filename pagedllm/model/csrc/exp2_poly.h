@@ -1,6 +1,5 @@
 // 2^f for f in [-0.5, 0.5]: the degree-7 polynomial behind the kernels' exp (relative error ~1e-7). Shared by
-// the vector code of paged_attention.cpp (v16) and the scalar loops of fused_ops.cpp (float), which the compiler
-// vectorises.
+// the vector code of paged_attention.cpp and fused_ops.cpp (v16) and fused_ops.cpp's scalar tails (float).
 #pragma once
 
 template <typename V>
