@@ -269,29 +269,146 @@ def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: b
     assert not Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, None)
 
 
-@pytest.mark.parametrize("column_block", [4096, 16, 20], ids=["one-block", "three-blocks", "ragged-blocks"])
+@pytest.mark.parametrize("path", ["kernel", "int-mm-one-block", "int-mm-three-blocks", "int-mm-ragged-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33, 100])
-def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dtype, rows: int,
-                                              column_block: int) -> None:
+def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dtype, rows: int, path: str) -> None:
     """w8a8: the exact product of the int8 rows and weights, scaled back (so the only error is the quantisation),
-    which stays within a few hundredths of the float product for well-spread values; the same whether the GEMM
-    runs over all output columns at once or a block of columns at a time."""
-    monkeypatch.setattr(layers, "INT8_COLUMN_BLOCK", column_block)
+    which stays within a few hundredths of the float product for well-spread values; the same from the int8_gemm
+    kernel and from the torch._int_mm fallback, whether that runs over all output columns at once or a block of
+    columns at a time."""
+    if path == "kernel":
+        if not ext.int8_gemm_supported():
+            pytest.skip("no AVX512-VNNI on this CPU")
+    else:
+        monkeypatch.setattr(Int8Weight, "kernel_available", staticmethod(lambda ext, in_features: False))
+        monkeypatch.setattr(layers, "INT8_COLUMN_BLOCK", {"one": 4096, "three": 16, "ragged": 20}[path.split("-")[2]])
     gen = torch.Generator().manual_seed(rows)
     w, x, bias = torch.randn(48, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(48)
     weight = Int8Weight(w.to(dtype), ext)
-    assert len(weight.blocks) == -(-48 // column_block)
+    assert (weight.packed is not None) is (path == "kernel")
+    if path != "kernel":
+        assert len(weight.blocks) == -(-48 // layers.INT8_COLUMN_BLOCK)
     out = weight.mm(x.to(dtype), bias.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, 48)
     xs = x.to(dtype).float().abs().amax(1, keepdim=True) / 127
     xq = (x.to(dtype).float() / xs).round()
-    wq = weight.q_t.t().float()
-    exact = (xq @ wq.T) * xs * weight.scale + bias.to(dtype).float()
+    wq = weight.int8_rows()
+    assert torch.equal(wq, (w.to(dtype).float() / weight.scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+    exact = (xq.double() @ wq.double().T) * xs.double() * weight.scale.double() + bias.to(dtype).double()
     step = 1e-5 if dtype == torch.float32 else 2 ** -7  # the output's rounding
-    torch.testing.assert_close(out.float(), exact, rtol=step, atol=step * exact.abs().max().item())
+    torch.testing.assert_close(out.double(), exact, rtol=step, atol=step * exact.abs().max().item())
     rel = ((out.float() - (x @ w.T + bias)).norm() / (x @ w.T).norm()).item()
     assert rel < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [576, 37, 1])
+def test_quantize_rows_int8_rounds_each_row_to_its_scale(ext, dtype: torch.dtype, cols: int) -> None:
+    """scale = amax / 127 per row (1 for a row of zeros), q = x * (1 / scale) rounded to nearest even, in fp32."""
+    x = (torch.randn(70, cols, generator=torch.Generator().manual_seed(cols)) * torch.logspace(-3, 3, 70)[:, None])
+    x[3] = 0
+    x[5, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])[:cols]  # scale 1: exact halves, which round to even
+    x = x.to(dtype)
+    q, scale = ext.quantize_rows_int8(x)
+    xf = x.float()
+    ref_scale = xf.abs().amax(1) / 127
+    ref_scale[ref_scale == 0] = 1
+    assert torch.equal(scale, ref_scale)
+    assert q.dtype == torch.int8 and torch.equal(q, (xf * (1 / ref_scale)[:, None]).round().to(torch.int8))
+    assert q[3].eq(0).all() and q.abs().amax(1)[torch.arange(70) != 3].eq(127).all()
+    if cols >= 4:
+        assert q[5, :4].tolist() == [127, 2, 4, -2]
+
+
+def random_int8(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("rows", "cols", "inputs"), [
+    (1, 1000, 576), (3, 1000, 576), (16, 1000, 576), (17, 1000, 576), (100, 1000, 576), (300, 1000, 576),
+    (7, 64, 1536), (13, 17, 4), (200, 2, 64),  # one panel, a partial one, a sliver
+])
+def test_int8_gemm_equals_the_exact_product(ext, rows: int, cols: int, inputs: int) -> None:
+    """int8_gemm's int32 sums equal the int64 product of the int8 matrices exactly (every register block of rows and
+    columns, the last panel's padding); its scaled output is the fp64 value of the same product rounded once to
+    fp32 / bf16, the bits dequantize_int32 gives over those sums (the torch._int_mm path)."""
+    if not ext.int8_gemm_supported():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), cols + inputs)
+    w[0, :] = 127  # the extremes the u8 offset must carry: 255 * -127 per product
+    q[0, :] = -127
+    packed = Int8Weight.pack(w)
+    assert packed.shape == (-(-cols // 64), inputs // 4, 4, 64)
+    acc = torch.empty(rows, cols, dtype=torch.int32)
+    ext.int8_gemm(q, packed, None, None, None, acc)
+    exact = q.long() @ w.long().T
+    assert torch.equal(acc.long(), exact)
+    gen = torch.Generator().manual_seed(0)
+    row_scale, col_scale = torch.rand(rows, generator=gen) / 100, torch.rand(cols, generator=gen) / 100
+    bias = torch.randn(cols, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(rows, cols, dtype=dtype)
+        ext.int8_gemm(q, packed, row_scale, col_scale, None, out)
+        old = torch.empty_like(out)
+        ext.dequantize_int32(acc, row_scale, col_scale, None, old)
+        assert torch.equal(out, old)
+        ref = exact.double() * row_scale.double()[:, None] * col_scale.double()
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -22 if dtype == torch.float32 else 2 ** -8, atol=0)
+        b = bias.to(dtype)
+        ext.int8_gemm(q, packed, row_scale, col_scale, b, out)
+        ref = ref + b.double()
+        bound = (ref.abs() + b.double().abs()) * (2 ** -21 if dtype == torch.float32 else 2 ** -8)
+        assert ((out.double() - ref).abs() <= bound).all()
+
+
+def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
+    """out may be a block of columns of a wider tensor: only that block is written."""
+    if not ext.int8_gemm_supported():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    q, w = random_int8((5, 64), 1), random_int8((100, 64), 2)
+    wide = torch.full((5, 300), -1, dtype=torch.int32)
+    ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, wide[:, 100:200])
+    assert torch.equal(wide[:, 100:200].long(), q.long() @ w.long().T)
+    assert (wide[:, :100] == -1).all() and (wide[:, 200:] == -1).all()
+
+
+def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
+    if not ext.int8_gemm_supported():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    q, packed = random_int8((3, 64), 1), Int8Weight.pack(random_int8((100, 64), 2))
+    scales = torch.ones(3), torch.ones(100)
+
+    def run(q=q, packed=packed, scales=scales, bias=None, out=None):
+        ext.int8_gemm(q, packed, *scales, bias, torch.empty(3, 100) if out is None else out)
+
+    run()
+    for kwargs, match in [
+        ({"q": q.float()}, "int8"), ({"q": q.t()}, "contiguous"), ({"q": random_int8((3, 6), 1)}, "multiple of 4"),
+        ({"q": random_int8((3, 32), 1)}, "K = 32"), ({"packed": packed.view(torch.int8)}, "uint8"),
+        ({"packed": packed[:1]}, "columns"), ({"scales": (torch.ones(2), scales[1])}, "row_scale"),
+        ({"scales": (scales[0], torch.ones(99))}, "col_scale"), ({"scales": (None, None)}, "row_scale"),
+        ({"bias": torch.ones(100, dtype=torch.bfloat16)}, "bias"), ({"out": torch.empty(4, 100)}, "out"),
+        ({"out": torch.empty(3, 100, dtype=torch.float16)}, "out"), ({"out": torch.empty(100, 3).t()}, "contiguous"),
+        ({"out": torch.empty(3, 100, dtype=torch.int32)}, "no scales"),
+        ({"out": torch.empty(100).expand(3, 100)}, "overlap"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            run(**kwargs)
+
+
+@pytest.mark.parametrize("inputs", [64, 30])
+def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
+    """Int8Weight serves any [out, in]: the kernel for inputs in groups of 4 (any out: the last panel is padded),
+    torch._int_mm otherwise."""
+    w = torch.randn(70, inputs, generator=torch.Generator().manual_seed(3))
+    weight = Int8Weight(w, ext)
+    assert (weight.packed is not None) is (inputs % 4 == 0 and ext.int8_gemm_supported())
+    assert torch.equal(weight.int8_rows(), (w / weight.scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+    x = torch.randn(9, inputs, generator=torch.Generator().manual_seed(4))
+    xs = x.abs().amax(1, keepdim=True) / 127
+    exact = ((x / xs).round().double() @ weight.int8_rows().double().T) * xs.double() * weight.scale.double()
+    torch.testing.assert_close(weight.mm(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
 def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:

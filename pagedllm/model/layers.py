@@ -14,7 +14,8 @@ import torch.nn.functional as F
 # 8-14% ahead at 16 rows and even with bf16, within run-to-run noise, from 24 to 64 (docs/performance.md:
 # docs/scripts/int4_rows.py, int4_kernels.py).
 INT4_MAX_ROWS = 32
-# Output columns per int8 GEMM call (Int8Weight): 4 MB of int32 products at 256 rows, which the caches hold.
+# Output columns per torch._int_mm call (Int8Weight without its kernel): 4 MB of int32 products at 256 rows, which the
+# caches hold.
 INT8_COLUMN_BLOCK = 4096
 
 
@@ -52,25 +53,64 @@ class Int4Weight:
 
 
 class Int8Weight:
-    """A weight in int8, one scale per output row (w8a8): activations are quantised per row (token) on the fly and
-    the product runs in int8 (oneDNN's VNNI path; about 2x bf16's GEMM rate on AVX512-VNNI without AMX), then scaled
-    back in one pass (csrc/int8_linear.cpp). Numerics change beyond bf16 rounding: opt-in, or by default where the
-    accuracy gate passes (docs/performance.md).
+    """A weight in int8, one scale per output row (w8a8): activations are quantised per row (token) on the fly, the
+    product sums exactly in int32 and is scaled back into the output as it is written. Numerics change beyond bf16
+    rounding: opt-in, or by default where the accuracy gate passes (docs/performance.md).
 
-    The product runs INT8_COLUMN_BLOCK output columns at a time: in one call over the lm_head's 49,152 columns,
-    oneDNN fell from ~680 to ~400 GOPS past 160 rows (its int32 output outgrew the caches), in blocks it held
-    ~700 (`python docs/scripts/int8_column_blocks.py`)."""
+    The product is the C++ kernel int8_gemm (csrc/int8_gemm.cpp: AVX512-VNNI, the weight packed once here); the
+    lm_head's 576 -> 49,152 runs there in ~0.7 ms at 1-4 rows (the weight's read) and at ~790 GOP/s from 16 rows
+    up, where torch._int_mm, which gets a plain weight and reorders it on every call, took 1.6-2.2 ms and 300-640
+    GOP/s (`python docs/scripts/lm_head_int8.py`). Without the kernel (no VNNI, or inputs not a multiple of 4) the
+    product is torch._int_mm over INT8_COLUMN_BLOCK output columns at a time (in one call over 49,152 columns
+    oneDNN fell from ~680 to ~400 GOP/s past 160 rows, its int32 output outgrew the caches; `python
+    docs/scripts/int8_column_blocks.py`), scaled back by dequantize_int32 (csrc/int8_linear.cpp)."""
 
-    def __init__(self, plain: torch.Tensor, ext: ModuleType) -> None:
+    PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
+
+    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True) -> None:
+        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two)."""
         w = plain.float()
         self.scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).contiguous()
-        self.q_t = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).t()  # [in, out] view
-        self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, self.q_t.shape[1], INT8_COLUMN_BLOCK)]
+        q = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.out_features = q.shape[0]
         self.ext = ext
+        self.packed: torch.Tensor | None = None  # for int8_gemm
+        self.q_t: torch.Tensor | None = None  # [in, out] view, for torch._int_mm
+        if kernel and self.kernel_available(ext, q.shape[1]):
+            self.packed = self.pack(q)
+        else:
+            self.q_t = q.t()
+            self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
+
+    @staticmethod
+    def kernel_available(ext: ModuleType | None, in_features: int) -> bool:
+        """int8_gemm runs on AVX512-VNNI, over inputs in groups of 4 (and sums of at most 66,308 of them in int32)."""
+        return ext is not None and ext.int8_gemm_supported() and in_features % 4 == 0 and 0 < in_features <= 66308
+
+    @classmethod
+    def pack(cls, q: torch.Tensor) -> torch.Tensor:
+        """int8 [N, K] -> the kernel's layout, uint8 [ceil(N / 64), K / 4, 4, 64]: byte 4j + b of [p, g, c] is
+        q[64p + 16c + j, 4g + b] + 128 (vpdpbusd's unsigned operand), rows past N zero (128)."""
+        n, k = q.shape
+        panels = -(-n // cls.PANEL)
+        u8 = torch.full((panels * cls.PANEL, k), 128, dtype=torch.uint8)
+        u8[:n] = q.view(torch.uint8) ^ 0x80  # two's complement: q + 128 is q's bits with the top one flipped
+        return u8.view(panels, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).reshape(panels, k // 4, 4, 64)
+
+    def int8_rows(self) -> torch.Tensor:
+        """The int8 weight [out, in] this computes with."""
+        if self.packed is None:
+            return self.q_t.t()
+        panels, groups = self.packed.shape[:2]
+        u8 = self.packed.view(panels, groups, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(panels * self.PANEL, -1)
+        return (u8[:self.out_features] ^ 0x80).view(torch.int8)
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
-        out = x.new_empty(x.shape[0], self.q_t.shape[1])
+        out = x.new_empty(x.shape[0], self.out_features)
+        if self.packed is not None:
+            self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out)
+            return out
         for cols in self.blocks:
             acc = torch._int_mm(q, self.q_t[:, cols])
             self.ext.dequantize_int32(acc, scale, self.scale[cols], None if bias is None else bias[cols], out[:, cols])

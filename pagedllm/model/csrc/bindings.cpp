@@ -19,6 +19,9 @@ bool int4_linear_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                       const c10::optional<at::Tensor>& bias, at::Tensor& out);
+void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
+               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out);
+bool int8_gemm_supported();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -34,4 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_supported", &int4_linear_supported, "Whether this build has int4_linear's instructions");
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 with its own scale (absmax / 127)", nogil);
   m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
+  m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) for an int8 "
+        "weight packed for VNNI (Int8Weight.pack); the raw int32 sums when out is int32", nogil);
+  m.def("int8_gemm_supported", &int8_gemm_supported, "Whether this build has int8_gemm's instructions");
 }

@@ -2,10 +2,12 @@
 // row (token) is quantised on the fly with its own scale, each weight row (output channel) once at load; the int8
 // matmul itself is torch._int_mm (oneDNN, VNNI). These two passes bracket it: quantise the rows, then scale the
 // int32 products back in one pass (no fp32 [M, N] temporary), into a block of columns of the output when the
-// caller runs the matmul a block of columns at a time.
+// caller runs the matmul a block of columns at a time. With AVX512-VNNI the matmul and the scale-back are one
+// kernel instead (int8_gemm.cpp); quantize_rows_int8 serves both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,23 +16,49 @@
 
 namespace {
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+// One row: scale = amax / 127 (1 for a row of zeros), q = round(x / scale) to nearest even, as x * (1 / scale).
+template <typename T>
+void quantize_row(const T* row, int8_t* out, float* scale, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // The same arithmetic 16 at a time: |x| by clearing the sign, the max is exact in any order, and vcvtps2dq
+  // rounds to nearest even as nearbyint does.
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
+    const __m512 v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(load16(row + i, m)), abs_mask));
+    vmax = _mm512_max_ps(v, vmax);  // a NaN is skipped, as std::max(amax, NaN) does
+  }
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + i, m), inv));
+    _mm_mask_storeu_epi8(out + i, m, _mm512_cvtsepi32_epi8(q));
+  }
+  *scale = s;
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(row[i])));
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float inv = 1.0f / s;
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[i]) * inv));
+  *scale = s;
+#endif
+}
+
 template <typename T>
 void quantize_rows(const T* x, int8_t* q, float* scale, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> v(n);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* row = x + r * n;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        v[i] = static_cast<float>(row[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      const float inv = 1.0f / s;
-      int8_t* out = q + r * n;
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-      scale[r] = s;
-    }
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * n, q + r * n, scale + r, n);
   });
 }
 
@@ -60,9 +88,10 @@ std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   const int64_t rows = x.size(0), n = x.size(1);
   auto q = at::empty({rows, n}, x.options().dtype(at::kChar));
   auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows_int8", [&] {
-    quantize_rows<scalar_t>(x.data_ptr<scalar_t>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n);
-  });
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n);
+  else
+    quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n);
   return {q, scale};
 }
 

@@ -1,0 +1,226 @@
+// The int8 GEMM of the w8a8 linear layers (Int8Weight), above all the lm_head: x [M, K] int8 (one scale per row,
+// quantize_rows_int8) times W [N, K] int8 (one scale per output row), exact int32 sums, then scaled back to the
+// output dtype straight into the output (out = acc * row_scale * col_scale (+ bias)), with no int32 [M, N]
+// temporary. The weight is packed once at load (Int8Weight); torch._int_mm got a plain weight on every call and
+// oneDNN reordered it each time, which made the lm_head (K = 576, N = 49,152) no faster than bf16.
+//
+// vpdpbusd multiplies unsigned bytes (its first source, a register) by signed bytes (its second, which may be a
+// 4-byte group broadcast from memory, {1to16}). The activations are the operand broadcast, so they stay signed and
+// the weights are stored unsigned, w + 128 (1..255, as w is -127..127); each product then carries 128 * x, and
+// 128 * sum_k x[r, k] comes off each row's sums before the scales apply (exact in int32). The other way round (x
+// shifted to u8, 128 * colsum(w) off each column) would need a separate broadcast into a register for every row.
+// |sum| <= K * 255 * 127 must fit int32: K <= 66,308.
+//
+// Layout (Int8Weight.pack): output columns in panels of 64 (4 tiles of 16), inputs in groups of 4:
+//   packed [P, K/4, 4, 64] uint8: byte 4j + b of [p, g, c] = W[64p + 16c + j, 4g + b] + 128   (j < 16, b < 4)
+// rows past N (the last panel's padding) hold W = 0. One 64-byte load is one tile's k-group in vpdpbusd's lane
+// order, and a panel's groups follow each other, so a pass over a panel reads one contiguous stream.
+//
+// Register blocking: 6 rows x 4 tiles of int32 sums (24 zmm) plus the 4 weight vectors; the inner loop is 4 loads
+// and 24 vpdpbusd with broadcast activations. Threads take panels (and blocks of rows when M is large): a panel is
+// 36 KB at K = 576, so it stays in L1/L2 while every row of x passes over it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6, kMaxBlockRows = 192, kMaxK = 66308;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kSupported = true;
+
+// The scaled-back output of one 16-column tile of one row: float -> T, masked to the tile's valid columns.
+inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+
+inline void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
+  // round to nearest even as c10::BFloat16 does (NaN -> 0x7FC0); integer ops, so no AVX512-BF16 is needed
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(bits, 16),
+                                                                                    _mm512_set1_epi32(1)));
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(h));
+}
+
+inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+inline __m512 load(const at::BFloat16* p, __mmask16 mask) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// acc += w (unsigned bytes) . x4 (4 signed bytes, broadcast to all 16 lanes from memory). Inline assembly: GCC 12
+// compiles _mm512_dpbusd_epi32 with a register copy around every call (it does not tie the accumulator to the
+// output) and a separate vpbroadcastd: ~230 GOP/s for the 6 x 4 block, against ~780 with this.
+inline void dpbusd_bcst(__m512i& acc, __m512i w, const int8_t* x4) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x4)));
+}
+
+// What the epilogue needs besides the sums: where they go and how they scale.
+template <typename T>
+struct Epilogue {
+  const int32_t* xsum128;  // 128 * sum_k x[r, k] per row
+  const float* row_scale;  // [M], unused for int32 output
+  const float* col_scale;  // [N]
+  const T* bias;           // [N] or nullptr
+  T* out;
+  int64_t ldo, n;          // row stride of out, valid columns
+};
+
+// R rows of x (row stride ldx) against one panel (G k-groups): sums in registers over all of K, then the epilogue
+// for columns [col0, col0 + 64) of those rows.
+template <int R, typename T>
+inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
+                       const Epilogue<T>& e) {
+  __m512i acc[R][kTiles];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = panel + g * kTiles * 64;
+    __m512i w[kTiles];
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c) w[c] = _mm512_loadu_si512(wg + c * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kTiles; ++c) dpbusd_bcst(acc[r][c], w[c], x + r * ldx + 4 * g);
+    }
+  }
+  __mmask16 masks[kTiles];
+#pragma GCC unroll 4
+  for (int c = 0; c < kTiles; ++c) {
+    const int64_t valid = std::clamp<int64_t>(e.n - col0 - c * kTile, 0, kTile);
+    masks[c] = static_cast<__mmask16>((1u << valid) - 1u);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + r;
+    const __m512i shift = _mm512_set1_epi32(e.xsum128[row]);
+    T* o = e.out + row * e.ldo + col0;
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c) {
+      const __m512i sums = _mm512_sub_epi32(acc[r][c], shift);
+      if constexpr (std::is_same_v<T, int32_t>) {
+        _mm512_mask_storeu_epi32(o + c * kTile, masks[c], sums);
+      } else {
+        if (masks[c] == 0) continue;
+        // (acc * row_scale) * col_scale (+ bias in the same rounding), as dequantize_int32 computes it (GCC contracts
+        // its loop to that FMA), so the two paths give the same bits
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(e.row_scale[row]));
+        const __m512 cs = load(e.col_scale + col0 + c * kTile, masks[c]);
+        store(o + c * kTile, e.bias == nullptr ? _mm512_mul_ps(v, cs)
+                                               : _mm512_fmadd_ps(v, cs, load(e.bias + col0 + c * kTile, masks[c])),
+              masks[c]);
+      }
+    }
+  }
+}
+
+// The last n < kRows rows of a block.
+template <int R, typename T>
+inline void panel_tail(int64_t n, const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0,
+                       int64_t col0, const Epilogue<T>& e) {
+  if constexpr (R >= 1) {
+    if (n == R) return panel_rows<R>(panel, x, ldx, G, row0, col0, e);
+    panel_tail<R - 1>(n, panel, x, ldx, G, row0, col0, e);
+  }
+}
+
+template <typename T>
+void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T>& e) {
+  const int64_t G = K / 4;
+  // Blocks of rows when M is large (x's block stays in L2 while the panels pass; each block reads the weights once
+  // more, ~1 ms against ~20 ms of arithmetic), and also when there are too few panels to share among the threads.
+  const int64_t threads = at::get_num_threads();
+  int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
+  while (blocks * P < 8 * threads && (M + blocks - 1) / blocks > kRows) blocks *= 2;
+  int64_t row_block = (M + blocks - 1) / blocks;
+  if (row_block > kRows) row_block = (row_block + kRows - 1) / kRows * kRows;
+  blocks = (M + row_block - 1) / row_block;
+  at::parallel_for(0, blocks * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t rb = i / P, p = i % P;
+      const uint8_t* panel = packed + p * G * kTiles * 64;
+      const int64_t r1 = std::min(M, (rb + 1) * row_block);
+      int64_t r = rb * row_block;
+      for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, x + r * K, K, G, r, p * kPanel, e);
+      if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, x + r * K, K, G, r, p * kPanel, e);
+    }
+  });
+}
+#else
+constexpr bool kSupported = false;
+#endif
+
+}  // namespace
+
+bool int8_gemm_supported() { return kSupported; }
+
+void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
+               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK(kSupported, "int8_gemm needs AVX512-VNNI (this build has no such instructions)");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "q must be a contiguous int8 CPU matrix [M, K]");
+  const int64_t M = q.size(0), K = q.size(1);
+  TORCH_CHECK(K % 4 == 0 && K > 0 && K <= kMaxK, "K must be a positive multiple of 4 up to ", kMaxK, ", got ", K);
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && packed.size(1) == K / 4 && packed.size(2) == kTiles &&
+                  packed.size(3) == 64,
+              "packed must be a contiguous uint8 [N/64, K/4, 4, 64] (K = ", K, ")");
+  const int64_t P = packed.size(0);
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == M && (out.size(1) <= 1 || out.stride(1) == 1),
+              "out must be [M, N] with contiguous rows (a block of columns of a wider tensor is fine)");
+  const int64_t N = out.size(1);
+  TORCH_CHECK(M <= 1 || out.stride(0) >= N, "out's rows must not overlap");
+  TORCH_CHECK(N <= P * kPanel && N > (P - 1) * kPanel, "out has ", N, " columns, packed holds ", P * kPanel);
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kInt, "out must be float32, bfloat16 "
+              "or int32 (the raw sums)");
+  if (dtype == at::kInt) {
+    TORCH_CHECK(!row_scale.has_value() && !col_scale.has_value() && !bias.has_value(),
+                "int32 output takes no scales or bias");
+  } else {
+    TORCH_CHECK(row_scale.has_value() && row_scale->scalar_type() == at::kFloat && row_scale->numel() == M &&
+                    row_scale->is_contiguous(), "row_scale must be float32 [M]");
+    TORCH_CHECK(col_scale.has_value() && col_scale->scalar_type() == at::kFloat && col_scale->numel() == N &&
+                    col_scale->is_contiguous(), "col_scale must be float32 [N]");
+    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->numel() == N && bias->is_contiguous()),
+                "bias must be [N] of out's dtype");
+  }
+  if (M == 0 || N == 0) return;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const int8_t* xp = q.data_ptr<int8_t>();
+  std::vector<int32_t> xsum128(M);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xp[r * K + k];
+      xsum128[r] = 128 * s;
+    }
+  });
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  if (dtype == at::kInt) {
+    gemm<int32_t>(xp, M, K, pk, P,
+                  {xsum128.data(), nullptr, nullptr, nullptr, out.data_ptr<int32_t>(), out.stride(0), N});
+    return;
+  }
+  const auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    gemm<T>(xp, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
+                              out.stride(0), N});
+  };
+  if (dtype == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<at::BFloat16>());
+#endif
+}
