@@ -538,3 +538,15 @@ def test_dead_engine_gives_503s_not_hangs() -> None:
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
         assert r.status_code == 503
+
+
+
+def test_build_off_main_thread_returns_or_raises_what_the_factory_does() -> None:
+    """A server's engine is built in a thread that then ends (its OpenMP pool with it; see build_off_main_thread)."""
+    import threading
+
+    from pagedllm.engine.async_engine import build_off_main_thread
+
+    assert build_off_main_thread(lambda: threading.current_thread().name) == "pagedllm-build"
+    with pytest.raises(ValueError, match="bad config"):
+        build_off_main_thread(lambda: (_ for _ in ()).throw(ValueError("bad config")))

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -28,6 +28,33 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
 RESTART_ATTEMPTS = 3  # engine factory calls before the loop gives up
+
+T = TypeVar("T")
+
+
+def build_off_main_thread(factory: Callable[[], T]) -> T:
+    """`factory()` run in a thread that ends when it returns: build an engine here that another thread will step.
+
+    libgomp (torch's OpenMP) lets idle workers spin, ready for the next parallel region, only while it manages no
+    more threads than there are CPUs, counting the workers of every thread that ever ran a parallel region until
+    that thread ends. Loading and packing a model runs parallel regions, so an engine built by the main thread
+    left a second pool beside the loop thread's, and each of a step's hundreds of regions then woke a sleeping
+    worker: 19% of the throughput with 64 streams in flight (docs/performance.md). A thread's pool ends with it."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            result.append(factory())
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=build, name="pagedllm-build")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 class EngineDeadError(RuntimeError):

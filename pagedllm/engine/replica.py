@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream, StepObserver
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream, StepObserver, build_off_main_thread
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ class EngineReplica:
                  observer_factory: Callable[[], StepObserver] | None = None) -> None:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        llm = LLMEngine(config)
+        llm = build_off_main_thread(lambda: LLMEngine(config))  # only the engine thread's OpenMP pool lives on
         self.observer = observer_factory() if observer_factory else None
         self.engine = AsyncLLMEngine(llm, max_waiting_requests, observer=self.observer)
         self.info_ = ReplicaInfo(uuid.uuid4().hex, llm.model_name, llm.max_model_len, llm.model_config.vocab_size,
