@@ -411,6 +411,27 @@ def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
     torch.testing.assert_close(weight.mm(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dtype) -> None:
+    """With outliers=k, the k input channels largest in the call are multiplied in full precision and the rest in
+    int8 with a per-row scale that no longer has to hold them: exactly that sum, and far closer to the float product
+    than plain w8a8 when a few channels run 20x the others (as in the model's residual stream)."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(48, 64, generator=gen).to(dtype), torch.randn(7, 64, generator=gen)
+    x[:, [3, 40]] *= 20
+    x = x.to(dtype)
+    split, plain = Int8Weight(w, ext, outliers=2), Int8Weight(w, ext)
+    assert torch.equal(split.int8_rows(), plain.int8_rows())
+    rest = x.clone()
+    rest[:, [3, 40]] = 0
+    expected = plain.mm(rest).double() + x[:, [3, 40]].double() @ w[:, [3, 40]].double().T
+    step = 1e-5 if dtype == torch.float32 else 2 ** -7
+    out = split.mm(x)
+    torch.testing.assert_close(out.double(), expected, rtol=step, atol=step * expected.abs().max().item())
+    ref = x.double() @ w.double().T
+    assert (out.double() - ref).norm() < 0.25 * (plain.mm(x).double() - ref).norm()
 def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:
     """A PackedWeight with an int8 form answers with it for every batch the int4 kernel does not take."""
     other = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))

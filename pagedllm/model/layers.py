@@ -67,9 +67,12 @@ class Int8Weight:
 
     PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
 
-    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True) -> None:
-        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two)."""
+    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0) -> None:
+        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two). outliers: input
+        channels per call kept out of the int8 product (see mm); keeps a transposed copy of the weight for them."""
         w = plain.float()
+        self.outliers = min(outliers, plain.shape[1])
+        self.plain_t = plain.t().contiguous() if self.outliers else None  # [in, out]: a channel's weights in a row
         self.scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).contiguous()
         q = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         self.out_features = q.shape[0]
@@ -106,6 +109,18 @@ class Int8Weight:
         return (u8[:self.out_features] ^ 0x80).view(torch.int8)
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias). With outliers, the input channels largest in this call go through the plain
+        weight and the rest through int8, as LLM.int8() splits them: a few channels of the residual stream run 10-25x
+        the median, and one int8 scale per row that holds them leaves the others a few steps each."""
+        if self.outliers:
+            channels = x.abs().amax(dim=0).topk(self.outliers).indices
+            big, x = x[:, channels], x.index_fill(1, channels, 0)
+        out = self._int8_mm(x, bias)
+        if self.outliers:
+            out.addmm_(big, self.plain_t[channels])
+        return out
+
+    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
         out = x.new_empty(x.shape[0], self.out_features)
         if self.packed is not None:

@@ -14,6 +14,9 @@ from pagedllm.model.layers import Int4Weight, Int8Weight, PackedWeight, RotaryEm
 from pagedllm.model.loader import ModelConfig, Q4Weight
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 
+# input channels of the int8 lm_head computed from the plain weight (Int8Weight.mm); 16 of 576 here brought its top-5
+# logprob error from 1.17-1.26x plain bf16's to about 1x (`pagedllm bench accuracy`, docs/performance.md)
+LM_HEAD_OUTLIER_CHANNELS = 16
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 
 
@@ -95,7 +98,8 @@ class LlamaModel:
         return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext) if available else None)
 
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
-        return PackedWeight(plain, int4, Int8Weight(plain, self.ext) if kind in self.int8 else None)
+        outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
+        return PackedWeight(plain, int4, Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None)
 
     @property
     def num_int4_matmuls(self) -> int:
