@@ -225,6 +225,52 @@ def test_fp32_kernel_matches_dense_attention_tightly(cpp: None) -> None:
     torch.testing.assert_close(b.run("cpp"), dense_attention(b), rtol=1e-5, atol=2e-6)
 
 
+# Few long decodes (the tail of a run): too few work items for the threads, so each context is split into
+# partitions that run in parallel and are merged (flash-decoding). Also a short chunk (rows kernel, 3 queries)
+# and a mix with a short decode that is split by kv head instead.
+FEW_LONG = [[(1300, 1)], [(700, 1), (1200, 1)], [(513, 1), (64, 1), (900, 1)], [(1000, 3)], [(257, 1)]]
+
+
+@pytest.fixture(params=[2, 3, 4], ids=["2threads", "3threads", "4threads"])
+def threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)], ids=["gqa3", "gqa4", "gqa1"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_split_context_fp32_matches_dense_attention_tightly(cpp: None, threads: int, specs: list,
+                                                          heads: tuple[int, int], block_size: int) -> None:
+    b = make_batch(specs, *heads, 64, block_size)
+    torch.testing.assert_close(b.run("cpp"), dense_attention(b), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kv_int8", [False, True], ids=["bf16-cache", "int8-cache"])
+@pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_split_context_bf16_equals_reference(cpp: None, threads: int, specs: list, head_dim: int,
+                                             kv_int8: bool) -> None:
+    b = make_batch(specs, 9, 3, head_dim, 16, torch.bfloat16, kv_int8=kv_int8)
+    assert_close(b.run("cpp"), b.run("reference"))
+
+
+def test_split_context_agrees_with_one_thread(cpp: None) -> None:
+    """The partitions' merge gives one pass's result up to fp32 rounding (one thread: no split)."""
+    b = make_batch([(1500, 1), (600, 2)], 9, 3, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = b.run("cpp")
+        torch.set_num_threads(4)
+        split = b.run("cpp")
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_auto_backend_uses_the_kernel(cpp: None) -> None:
     b = make_batch(MIXED, 6, 2, 64, 16)
     assert torch.equal(b.run("auto"), b.run("cpp"))

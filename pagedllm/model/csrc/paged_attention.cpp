@@ -4,9 +4,10 @@
 // Two kernels, both with online softmax and fp32 accumulation, both reading keys in chunks of consecutive
 // positions that may span blocks (so any block size, down to 1, costs the same):
 //  - attend_rows: decodes and very short chunks. Memory bound: each K/V row is read once for all query heads
-//    of its kv group, scores are dot products. Over a bf16 cache with bf16 queries (AVX512-BF16) the scores of
-//    16 keys come from vdpbf16ps on the stored rows and one transposing reduction, and V rows are converted
-//    in registers: no row is copied to fp32 first.
+//    of its kv group, scores are dot products. Over a bf16 cache with bf16 queries (AVX512-BF16) its own version,
+//    attend_rows_bf16, scores 8 keys x 3 query heads per pass of vdpbf16ps over the stored rows and converts V rows
+//    in registers: no row is copied to fp32 first. Few long decodes are split into context partitions
+//    (flash-decoding), merged exactly.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
 //    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -40,6 +42,10 @@ typedef uint8_t vb16 __attribute__((vector_size(16)));
 constexpr int64_t kKvGroup = 16;  // int8 cache: values per (scale, min) pair
 
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
+constexpr int64_t kPrefetchKeys = 64;  // attend_rows_bf16: how far ahead keys and values are prefetched
+constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner
+constexpr int64_t kSplitPerThread = 4;  // few decodes: context partitions per thread
+constexpr int64_t kMinPartKeys = 128;   // ... of at least this many keys
 constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)
 constexpr int64_t kTileRows = 64;   // target query rows (queries x heads of a group) per tile
 constexpr int kTB = 6;              // keys per QK micro-kernel step (6 x 4 accumulators)
@@ -136,7 +142,20 @@ inline void rows_to_f32(const kv_t* src, float* dst, int64_t D, int64_t heads) {
   }
 }
 
-// One call's inputs, shared read-only by all tasks.
+// A decode whose context is split into partitions (flash-decoding): each partition's item leaves its rows'
+// unnormalised output, running max and sum in its slot of `partial`; the last of them to finish merges them all.
+struct SplitGroup {
+  int32_t first_slot, parts;
+  std::atomic<int32_t> left;  // partitions not finished yet
+};
+
+struct Splits {
+  float* partial = nullptr;  // per slot: acc [rows][D], then m [rows], then l [rows]
+  int64_t slot_floats = 0;
+  SplitGroup* groups = nullptr;
+};
+
+// One call's inputs, shared read-only by all tasks (but for the split partitions' slots and counters).
 template <typename kv_t>
 struct Problem {
   const void* q;
@@ -150,14 +169,31 @@ struct Problem {
   const int32_t* query_start_loc;
   int64_t H, KVH, G, D, BS, MB;
   float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
+  Splits split;
   int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token
 };
 
-// Queries [q_begin, q_end) of one sequence against kv heads [kv_begin, kv_end).
+// Queries [q_begin, q_end) of one sequence against kv heads [kv_begin, kv_end) and key positions
+// [k_begin, k_end) (the whole context unless the item is partition `part` of split group `group`).
 struct WorkItem {
   int32_t seq, q_begin, q_end, kv_begin, kv_end;
   bool tiled;
   double cost;
+  int32_t k_begin = 0, k_end = std::numeric_limits<int32_t>::max(), part = -1, group = -1;
+};
+
+// A thread's claim on the item it runs next, taken while the current one ends so that its first keys and values
+// can be prefetched meanwhile (taken earlier, a thread could hold both items of a two-item call).
+struct Claim {
+  std::atomic<size_t>* next;
+  const std::vector<WorkItem>* items;
+  size_t index = 0;
+  bool taken = false;
+  const WorkItem* take() {
+    index = next->fetch_add(1);
+    taken = true;
+    return index < items->size() ? &(*items)[index] : nullptr;
+  }
 };
 
 // Per-thread buffers, sized once per call for the largest work item and reused across items.
@@ -165,6 +201,7 @@ struct Scratch {
   std::vector<float> buf;
   std::vector<int32_t> pos;  // attend_tile: position of each query row
   std::vector<const float*> krow, vrow;
+  std::vector<int32_t> slots;  // attend_rows_bf16: cache slots of the item's keys
   float* take(size_t n, size_t& off) {
     float* p = buf.data() + off;
     off += (n + 15) / 16 * 16;
@@ -203,6 +240,19 @@ inline void chunk_offsets(const Problem<kv_t>& P, int64_t s, int64_t c0, int64_t
   }
 }
 
+// Cache slots (block * block_size + offset) of key positions c0 .. c0+cn-1 of sequence s.
+template <typename kv_t>
+inline void slot_range(const Problem<kv_t>& P, int64_t s, int64_t c0, int64_t cn, int32_t* slot) {
+  const int32_t* bt = P.block_tables + s * P.MB;
+  const int32_t BS = static_cast<int32_t>(P.BS);
+  int64_t b = c0 / BS;
+  int32_t o = static_cast<int32_t>(c0 % BS);
+  for (int64_t t = 0; t < cn; ++t) {
+    slot[t] = bt[b] * BS + o;
+    if (++o == BS) o = 0, ++b;
+  }
+}
+
 // Points krow/vrow[t] at the fp32 K/V rows of kv head g for the chunk's keys, converting into kbuf/vbuf
 // when the cache is not fp32.
 template <typename kv_t>
@@ -231,39 +281,73 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
 }
 
 #if defined(__AVX512BF16__)
-// Lane t of the result = the sum of the 16 lanes of v[t]: four rounds, each adding two halves of a pair of
-// vectors into one (15 adds, 30 shuffles and one permute for 16 sums, against 16 horizontal sums of 8 steps).
-inline __m512 sum_lanes_16(__m512* v) {
-  __m512 r[8], s[4], u[2];
-  for (int i = 0; i < 8; ++i)  // r[i]: lanes 0-7 fold v[2i], lanes 8-15 fold v[2i+1]
-    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // s[i]: 128-bit block b folds token 4i + b
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // u[i]: block b holds two partials of tokens 8i + b and 8i + 4 + b
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
-  // block b, lane i: token b + 4i
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
-  const __m512i to_token = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(to_token, w);
+// Lane t of the result = the sum of the 8 lanes of v[t]: 14 shuffles and 7 adds for 8 sums.
+__attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
+  __m256 s[4], u[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit half: lanes 0+2 of v[2i], v[2i+1], then lanes 1+3 of both
+    s[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit half: the half's sums of v[4i .. 4i+3]
+    u[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
-// out[t] = mul * (q . k[t]) for 16 keys of D bf16 values (D % 32 == 0): products of bf16 pairs, exact in fp32,
-// summed into fp32 lanes by vdpbf16ps, so the keys are never converted.
-inline void scores_bf16_16(const uint16_t* q, const uint16_t* const* krow, int64_t D, float mul, float* out) {
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 32) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t)
-      acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+// S[r * C + t] = mul * (q_r . k_t) for RB query rows (bf16, row stride D) and 8 keys, D = 32 * DW bf16 values
+// (DW = 0: D given at run time). Each 16-value piece of a key is loaded once for the RB rows; vdpbf16ps on 256-bit
+// vectors leaves 8 lanes per score to sum, half of what 512-bit ones would.
+template <int DW, int RB>
+__attribute__((always_inline)) inline void scores_8(const uint16_t* q, const uint16_t* const* krow, int64_t D_,
+                                                    float mul, float* S, int64_t C) {
+  const int64_t D = DW > 0 ? 32 * DW : D_;
+  __m256 acc[RB][8];
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t)
+    for (int r = 0; r < RB; ++r) acc[r][t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < D; j += 16) {
+    __m256bh qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * D + j));
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256bh kv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[t] + j));
+      for (int r = 0; r < RB; ++r) acc[r][t] = _mm256_dpbf16_ps(acc[r][t], qv[r], kv);
+    }
   }
-  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(mul)));
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(S + r * C, _mm256_mul_ps(sum_lanes_8(acc[r]), _mm256_set1_ps(mul)));
 }
+
+// O[r] = O[r] * alpha[r] (no alpha: 1) + sum_t P[r * C + t] * V[t] for RB rows, over the 32 * JW values of V
+// from d0, prefetching pf[t] (pf_bytes each) for t < pfn along the way. A V row's bf16 pairs become fp32 in
+// registers by a shift (the even values) and a mask (the odd ones), so O holds each block of 32 values as its 16
+// even ones, then its 16 odd ones (unpermuted when the item ends).
+template <int JW, int RB>
+__attribute__((always_inline)) inline void pv_bf16(float* O, int64_t D, const float* alpha, const float* P,
+                                                   int64_t C, const uint16_t* const* vrow, int64_t d0, int64_t cn,
+                                                   const uint16_t* const* pf, int64_t pfn, int64_t pf_bytes) {
+  __m512 acc[RB][2 * JW];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * JW; ++i) {
+      acc[r][i] = _mm512_loadu_ps(O + r * D + d0 + 16 * i);
+      if (alpha) acc[r][i] = _mm512_mul_ps(acc[r][i], _mm512_set1_ps(alpha[r]));
+    }
+  const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t t = 0; t < cn; ++t) {
+    if (t < pfn) prefetch_l2(pf[t], pf_bytes);
+    __m512 v[2 * JW];
+    for (int j = 0; j < JW; ++j) {
+      const __m512i x = _mm512_loadu_si512(vrow[t] + d0 + 32 * j);
+      v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(P[r * C + t]);
+      for (int i = 0; i < 2 * JW; ++i) acc[r][i] = _mm512_fmadd_ps(p, v[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * JW; ++i) _mm512_storeu_ps(O + r * D + d0 + 16 * i, acc[r][i]);
+}
+
 #endif
 
 // 16 fp32 values of a V row, from fp32 or (converted in registers) bf16.
@@ -366,31 +450,100 @@ void chunk_scores_f32(const Problem<kv_t>& P, const WorkItem& w, const float* q,
   }
 }
 
-// The same scores from bf16 queries (qh, unscaled) and keys, 16 keys at a time per row (see scores_bf16_16).
-// Keys past the chunk read `zero`; entries a query must not see are left to the softmax's `valid` bound.
-// `prefetch(t)` is called for t = 0 .. cn-1, spread between the score computations.
-template <typename kv_t, typename F>
-void chunk_scores_bf16(const Problem<kv_t>& P, const WorkItem& w, const uint16_t* qh, const int64_t* base,
-                       int64_t cn, const uint16_t* zero, float* S, F&& prefetch) {
-#if defined(__AVX512BF16__)
-  const int64_t D = P.D, G = P.G, R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin;
-  const int64_t calls = (cn + 15) / 16 * ng * R * G, per_call = (cn + calls - 1) / calls;
-  const uint16_t* k = reinterpret_cast<const uint16_t*>(P.k);
-  int64_t pt = 0;
-  for (int64_t t0 = 0; t0 < cn; t0 += 16) {
-    for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t head_off = (w.kv_begin + gi) * P.RL;
-      const uint16_t* krow[16];
-      for (int64_t t = 0; t < 16; ++t) krow[t] = t0 + t < cn ? k + base[t0 + t] + head_off : zero;
-      for (int64_t r = gi * R * G; r < (gi + 1) * R * G; ++r) {
-        for (const int64_t end = std::min(cn, pt + per_call); pt < end; ++pt) prefetch(pt);
-        scores_bf16_16(qh + r * D, krow, D, P.scale_log2, S + r * kRowsChunk + t0);
-      }
+// Online softmax over one chunk's scores S[row][0 .. kRowsChunk) of the rows row = (gi * R + ii) * G + j: query ii
+// (position first_pos + ii) sees the keys c0 .. first_pos + ii of the chunk's cn; the others, and padding, become
+// exact zeros. alpha[row]: the factor that brings the row's earlier sums to the new running max m[row], computed
+// for all rows at once after the loop (a scalar exp2 per row and chunk cost as much as the rest). `sums`: NR floats.
+inline void softmax_chunk(float* S, float* m, float* l, float* alpha, float* sums, int64_t NR, int64_t R, int64_t G,
+                          int64_t cn, int64_t c0, int64_t first_pos) {
+  constexpr int64_t C = kRowsChunk;
+  const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t row = 0; row < NR; ++row) {
+    const int64_t ii = (row / G) % R;
+    const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
+    float* sr = S + row * C;
+    alpha[row] = m[row];  // the old max, for the pass below
+    sums[row] = 0.0f;
+    if (valid <= 0) {
+      std::fill(sr, sr + C, 0.0f);
+      continue;
     }
+    v16 mxv = vset(m[row]);
+    v16 sum = {};
+    if (valid == C) {  // every key visible: no masking
+      for (int64_t t = 0; t < C; t += 16) mxv = vmax(mxv, vload(sr + t));
+      const v16 mx = vset(hmax(mxv));
+      for (int64_t t = 0; t < C; t += 16) {
+        const v16 e = vexp2(vload(sr + t) - mx);
+        vstore(sr + t, e);
+        sum += e;
+      }
+      m[row] = mx[0];
+    } else {
+      const vi16 lim = viset(static_cast<int32_t>(valid));
+      for (int64_t t = 0; t < C; t += 16)
+        mxv = vmax(mxv, (iota + static_cast<int32_t>(t)) < lim ? vload(sr + t) : vset(kNegInf));
+      const v16 mx = vset(hmax(mxv));
+      for (int64_t t = 0; t < C; t += 16) {
+        const v16 e = (iota + static_cast<int32_t>(t)) < lim ? vexp2(vload(sr + t) - mx) : v16{};
+        vstore(sr + t, e);
+        sum += e;
+      }
+      m[row] = mx[0];
+    }
+    sums[row] = hsum(sum);
   }
-#else
-  (void)P, (void)w, (void)qh, (void)base, (void)cn, (void)zero, (void)S, (void)prefetch;
-#endif
+  // alpha = 2^(old max - new max): 0 for a row that saw no key before (old max -inf), 1 for one with none now.
+  for (int64_t r0 = 0; r0 < NR; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, NR - r0);
+    v16 mo = vset(0.0f), mn = vset(0.0f), lo = vset(0.0f), su = vset(0.0f);
+    std::memcpy(&mo, alpha + r0, nr * sizeof(float));
+    std::memcpy(&mn, m + r0, nr * sizeof(float));
+    std::memcpy(&lo, l + r0, nr * sizeof(float));
+    std::memcpy(&su, sums + r0, nr * sizeof(float));
+    const v16 a = mo == vset(kNegInf) ? v16{} : vexp2(mo - mn);
+    const v16 ln = lo * a + su;
+    std::memcpy(alpha + r0, &a, nr * sizeof(float));
+    std::memcpy(l + r0, &ln, nr * sizeof(float));
+  }
+}
+
+// An item's rows (row = (gi * R + ii) * G + j, unnormalised sums acc, running max m in log2 units, sum l) to the
+// output. A partition of a split decode leaves them in its slot instead, and the last partition of its group to
+// finish merges them all: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p with M = max_p m_p, the same
+// result as one pass up to fp32 rounding. `tmp`: D floats.
+template <typename kv_t>
+void finish_rows(const Problem<kv_t>& P, const WorkItem& w, const float* acc, const float* m, const float* l,
+                 float* tmp) {
+  const int64_t D = P.D, G = P.G, R = w.q_end - w.q_begin, NR = R * G * (w.kv_end - w.kv_begin);
+  const int64_t tok0 = P.query_start_loc[w.seq] + w.q_begin;
+  const auto tok = [&](int64_t row) { return tok0 + (row / G) % R; };
+  const auto head = [&](int64_t row) { return (w.kv_begin + row / (R * G)) * G + row % G; };
+  if (w.part < 0) {
+    for (int64_t row = 0; row < NR; ++row) store_out(P, tok(row), head(row), acc + row * D, 1.0f / l[row]);
+    return;
+  }
+  float* slot = P.split.partial + w.part * P.split.slot_floats;
+  std::memcpy(slot, acc, NR * D * sizeof(float));
+  std::memcpy(slot + NR * D, m, NR * sizeof(float));
+  std::memcpy(slot + NR * D + NR, l, NR * sizeof(float));
+  SplitGroup& g = P.split.groups[w.group];
+  if (g.left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // other partitions still running
+  const float* first = P.split.partial + g.first_slot * P.split.slot_floats;
+  for (int64_t row = 0; row < NR; ++row) {
+    float M = kNegInf;
+    for (int32_t p = 0; p < g.parts; ++p) M = std::max(M, first[p * P.split.slot_floats + NR * D + row]);
+    float sum = 0.0f;
+    std::fill(tmp, tmp + D, 0.0f);
+    for (int32_t p = 0; p < g.parts; ++p) {
+      const float* sp = first + p * P.split.slot_floats;
+      if (sp[NR * D + row] == kNegInf) continue;  // no key of this partition is visible to the row
+      const float a = std::exp2(sp[NR * D + row] - M);
+      sum += a * sp[NR * D + NR + row];
+      for (int64_t d = 0; d < D; ++d) tmp[d] += a * sp[row * D + d];
+    }
+    store_out(P, tok(row), head(row), tmp, 1.0f / sum);
+  }
 }
 
 // Decodes and short chunks: rows = (query, head) pairs, scores as dot products over head_dim. Keys and
@@ -402,88 +555,49 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
   const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
   const int64_t R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin, NR = R * G * ng, RG = R * G;
-  const int64_t first_pos = L - n + w.q_begin, last_pos = L - n + w.q_end - 1;
+  const int64_t first_pos = L - n + w.q_begin, k_end = std::min<int64_t>(w.k_end, L - n + w.q_end);
   const int64_t span = ng * D;  // fp32 elements of one token's rows for this item's kv heads
   const int64_t span_bytes = ng * P.RL * static_cast<int64_t>(sizeof(kv_t));  // the same rows in the cache
   constexpr int64_t C = kRowsChunk;
-  const bool bf16 = bf16_scores(P);
 
   size_t off = 0;
-  float* q = sc.take(NR * D, off);  // fp32 rows scaled to log2 units, or (bf16) the raw bf16 rows
+  float* q = sc.take(NR * D, off);  // fp32 rows scaled to log2 units
   float* acc = sc.take(NR * D, off);
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
   float* alpha = sc.take(NR, off);
+  float* sums = sc.take(NR, off);
   float* S = sc.take(NR * C, off);  // S[row][t]: scores, then probabilities
-  float* kbuf = sc.take(span, off);  // (bf16: a zero row for the keys past a chunk's end)
+  float* kbuf = sc.take(span, off);
   float* vbuf = sc.take(C * span, off);
   int64_t base_buf[2][C];
   const float** vrow = sc.vrow.data();
-  uint16_t* qh = reinterpret_cast<uint16_t*>(q);
-  const uint16_t* zero = reinterpret_cast<const uint16_t*>(kbuf);
 
   // row = (gi * R + ii) * G + j  <->  query tok0 + ii, head (kv_begin + gi) * G + j
   for (int64_t gi = 0; gi < ng; ++gi)
     for (int64_t ii = 0; ii < R; ++ii)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
-        if (bf16) {
-          const auto* src = static_cast<const uint16_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
-          std::memcpy(qh + row * D, src, D * sizeof(uint16_t));
-        } else {
-          for (int64_t d = 0; d < D; ++d) q[row * D + d] = q_at(P, tok0 + ii, head, d) * P.scale_log2;
-        }
+        for (int64_t d = 0; d < D; ++d) q[row * D + d] = q_at(P, tok0 + ii, head, d) * P.scale_log2;
       }
-  if (bf16) std::fill(kbuf, kbuf + D, 0.0f);
   std::fill(acc, acc + NR * D, 0.0f);
   std::fill(m, m + NR, kNegInf);
   std::fill(l, l + NR, 0.0f);
-  const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t head_off = w.kv_begin * P.RL;
 
-  chunk_offsets(P, s, 0, std::min(C, last_pos + 1), base_buf[0]);
-  for (int64_t c0 = 0, ci = 0; c0 <= last_pos; c0 += C, ci ^= 1) {
-    const int64_t cn = std::min(C, last_pos + 1 - c0);
+  chunk_offsets(P, s, w.k_begin, std::min<int64_t>(C, k_end - w.k_begin), base_buf[0]);
+  for (int64_t c0 = w.k_begin, ci = 0; c0 < k_end; c0 += C, ci ^= 1) {
+    const int64_t cn = std::min(C, k_end - c0);
     const int64_t* base = base_buf[ci];
-    const int64_t next_cn = std::max<int64_t>(0, std::min(C, last_pos + 1 - c0 - C));
+    const int64_t next_cn = std::max<int64_t>(0, std::min(C, k_end - c0 - C));
     if (next_cn > 0) chunk_offsets(P, s, c0 + C, next_cn, base_buf[ci ^ 1]);
     // This chunk's values and the next chunk's keys, fetched while the scores are computed.
     const auto prefetch = [&](int64_t t) __attribute__((always_inline)) {
       prefetch_l2(P.v + base[t] + head_off, span_bytes);
       if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span_bytes);
     };
-    if (bf16)
-      chunk_scores_bf16(P, w, qh, base, cn, zero, S, prefetch);
-    else
-      chunk_scores_f32(P, w, q, base, cn, c0, first_pos, kbuf, S, prefetch);
-
-    // Online softmax per row over this chunk; masked and padding entries become exact zeros.
-    for (int64_t row = 0; row < NR; ++row) {
-      const int64_t ii = (row / G) % R;
-      const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
-      float* sr = S + row * C;
-      if (valid <= 0) {
-        alpha[row] = 1.0f;
-        std::fill(sr, sr + C, 0.0f);
-        continue;
-      }
-      v16 mxv = vset(m[row]);
-      for (int64_t t = 0; t < C; t += 16) {
-        const v16 x = vload(sr + t);
-        mxv = vmax(mxv, (iota + static_cast<int32_t>(t)) < viset(static_cast<int32_t>(valid)) ? x : vset(kNegInf));
-      }
-      const float mx = hmax(mxv);
-      v16 sum = {};
-      for (int64_t t = 0; t < C; t += 16) {
-        const v16 e = vexp2(vload(sr + t) - mx);
-        const v16 pv = (iota + static_cast<int32_t>(t)) < viset(static_cast<int32_t>(valid)) ? e : v16{};
-        vstore(sr + t, pv);
-        sum += pv;
-      }
-      alpha[row] = std::exp2(m[row] - mx);
-      l[row] = l[row] * alpha[row] + hsum(sum);
-      m[row] = mx;
-    }
+    chunk_scores_f32(P, w, q, base, cn, c0, first_pos, kbuf, S, prefetch);
+    softmax_chunk(S, m, l, alpha, sums, NR, R, G, cn, c0, first_pos);
 
     // Values: acc = acc * alpha + P V, one kv head at a time, accumulators in registers; fp32 and bf16 rows are
     // read in place, int8 records converted first.
@@ -501,12 +615,157 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       }
     }
   }
+  finish_rows(P, w, acc, m, l, kbuf);
+}
+
+#if defined(__AVX512BF16__)
+// attend_rows over a bf16 cache with bf16 queries (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache
+// rows in place: the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head), the
+// values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
+// cache: with the arithmetic taken out (the same reads and prefetches) it takes ~85% of its time. So the order of
+// the reads matters: keys and values are read 8 keys at a time with the kv heads inner (windows of adjacent memory
+// rather than one pass per head over a chunk: ~8% faster), and the rows kPrefetchKeys keys ahead are prefetched one
+// row at a time along the way (in bursts, or 8-16 keys ahead: slower), on into the first keys of the thread's next
+// item, which it claims as the current one ends.
+template <int DW>
+void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+  const int64_t D = DW > 0 ? 32 * DW : P.D, G = P.G, s = w.seq;
+  const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
+  const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
+  const int64_t R = w.q_end - w.q_begin, ng = w.kv_end - w.kv_begin, RG = R * G, NR = RG * ng;
+  const int64_t first_pos = L - n + w.q_begin, k_end = std::min<int64_t>(w.k_end, L - n + w.q_end);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(uint16_t));
+  constexpr int64_t C = kRowsChunk;
+
+  size_t off = 0;
+  uint16_t* qh = reinterpret_cast<uint16_t*>(sc.take(NR * D / 2, off));  // the raw bf16 query rows
+  float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
+  float* m = sc.take(NR, off);
+  float* l = sc.take(NR, off);
+  float* alpha = sc.take(NR, off);
+  float* sums = sc.take(NR, off);
+  float* S = sc.take(NR * C, off);  // S[row][t]: scores, then probabilities
+  float* tmp = sc.take(D, off);  // zeros: the key row read past a chunk's end
+  const uint16_t* zero = reinterpret_cast<const uint16_t*>(tmp);
+  const uint16_t* K = reinterpret_cast<const uint16_t*>(P.k);
+  const uint16_t* V = reinterpret_cast<const uint16_t*>(P.v);
+
+  // row = (gi * R + ii) * G + j  <->  query tok0 + ii, head (kv_begin + gi) * G + j
   for (int64_t gi = 0; gi < ng; ++gi)
     for (int64_t ii = 0; ii < R; ++ii)
       for (int64_t j = 0; j < G; ++j) {
-        const int64_t row = (gi * R + ii) * G + j;
-        store_out(P, tok0 + ii, (w.kv_begin + gi) * G + j, acc + row * D, 1.0f / l[row]);
+        const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
+        const auto* src = static_cast<const uint16_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
+        std::memcpy(qh + row * D, src, row_bytes);
       }
+  std::fill(tmp, tmp + D, 0.0f);
+  std::fill(acc, acc + NR * D, 0.0f);
+  std::fill(m, m + NR, kNegInf);
+  std::fill(l, l + NR, 0.0f);
+
+  constexpr int64_t PT = kPrefetchKeys;
+  // Cache slots (block * block_size + offset) of the item's keys, then of the first PT keys of the item this
+  // thread runs next (when it reads the same kv heads), so that prefetching runs on across the items.
+  const int64_t nk = k_end - w.k_begin;
+  sc.slots.resize(nk + PT);
+  int32_t* slot = sc.slots.data();
+  slot_range(P, s, w.k_begin, nk, slot);
+  int64_t nk_pf = nk;
+  const int64_t slot_len = P.KVH * P.RL;  // cache elements per slot
+
+  constexpr int64_t PS = kValueKeys;
+  for (int64_t c0 = 0; c0 < nk; c0 += C) {  // c0: key index within the item
+    const int64_t cn = std::min(C, nk - c0);
+    const int32_t* cs = slot + c0;
+    if (!claim.taken && c0 + C + PT >= nk) {  // prefetching reaches the end: claim the next item, run on into it
+      const WorkItem* after = claim.take();
+      if (after && !after->tiled && after->kv_begin == w.kv_begin && after->kv_end == w.kv_end) {
+        const int64_t as = after->seq, an = P.query_start_loc[as + 1] - P.query_start_loc[as];
+        const int64_t a_end = std::min<int64_t>(after->k_end, P.context_lens[as] - an + after->q_end);
+        const int64_t extra = std::min<int64_t>(PT, a_end - after->k_begin);
+        slot_range(P, as, after->k_begin, extra, slot + nk);
+        nk_pf += extra;
+      }
+    }
+    // Scores, 8 keys at a time, the kv heads inner.
+    for (int64_t t0 = 0; t0 < cn; t0 += 8) {
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const int64_t off_g = (w.kv_begin + gi) * P.RL;
+        const uint16_t* krow[8];
+        for (int64_t t = 0; t < 8; ++t) krow[t] = t0 + t < cn ? K + cs[t0 + t] * slot_len + off_g : zero;
+        for (int64_t u = c0 + t0 + PT; u < std::min(c0 + t0 + 8 + PT, nk_pf); ++u)
+          prefetch_l2(K + slot[u] * slot_len + off_g, row_bytes);
+        const uint16_t* qg = qh + gi * RG * D;
+        float* Sg = S + gi * RG * C + t0;
+        int64_t r = 0;
+        for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+      }
+    }
+    softmax_chunk(S, m, l, alpha, sums, NR, R, G, cn, w.k_begin + c0, first_pos);
+
+    // Values, PS keys at a time, the kv heads inner: the accumulators go through memory at every step (~2% more
+    // work in cache), the reads move through the cache in windows of adjacent rows.
+    for (int64_t s0 = 0; s0 < cn; s0 += PS) {
+      const int64_t sn = std::min(PS, cn - s0);
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const int64_t off_g = (w.kv_begin + gi) * P.RL;
+        const uint16_t* vrow[PS];
+        const uint16_t* vpf[PS];
+        for (int64_t t = 0; t < sn; ++t) vrow[t] = V + cs[s0 + t] * slot_len + off_g;
+        int64_t pfn = std::max<int64_t>(0, std::min(sn, nk_pf - (c0 + s0 + PT)));
+        for (int64_t t = 0; t < pfn; ++t) vpf[t] = V + slot[c0 + s0 + t + PT] * slot_len + off_g;
+        for (int64_t r = gi * RG; r < (gi + 1) * RG; r += 3) {
+          const int64_t rb = std::min<int64_t>(3, (gi + 1) * RG - r);
+          float* o = acc + r * D;
+          const float* a = s0 == 0 ? alpha + r : nullptr;
+          const float* p = S + r * C + s0;
+          for (int64_t d0 = 0; d0 < D; pfn = 0) {
+            if (D - d0 >= 64) {
+              if (rb == 3) pv_bf16<2, 3>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              if (rb == 2) pv_bf16<2, 2>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              if (rb == 1) pv_bf16<2, 1>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              d0 += 64;
+            } else {
+              if (rb == 3) pv_bf16<1, 3>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              if (rb == 2) pv_bf16<1, 2>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              if (rb == 1) pv_bf16<1, 1>(o, D, a, p, C, vrow, d0, sn, vpf, pfn, row_bytes);
+              d0 += 32;
+            }
+          }
+        }
+      }
+    }
+  }
+  // Back to the natural order of the values: per block of 32, even values first, then odd ones.
+  for (int64_t row = 0; row < NR; ++row) {
+    float* a = acc + row * D;
+    for (int64_t j = 0; j < D; j += 32)
+      for (int64_t i = 0; i < 16; ++i) tmp[j + 2 * i] = a[j + i], tmp[j + 2 * i + 1] = a[j + 16 + i];
+    std::memcpy(a, tmp, D * sizeof(float));
+  }
+  finish_rows(P, w, acc, m, l, tmp);
+}
+#endif
+
+// The decode kernel for this problem: attend_rows_bf16 when bf16_scores allows it, else attend_rows.
+template <typename kv_t>
+void attend_decode(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+    if (bf16_scores(P)) {
+      switch (P.D) {
+        case 32: return attend_rows_bf16<1>(P, w, sc, claim);
+        case 64: return attend_rows_bf16<2>(P, w, sc, claim);
+        case 128: return attend_rows_bf16<4>(P, w, sc, claim);
+        default: return attend_rows_bf16<0>(P, w, sc, claim);
+      }
+    }
+  }
+#endif
+  (void)claim;
+  attend_rows(P, w, sc);
 }
 
 // ST[t][rows] = sum_d K[t][d] * Qt[d][rows] for kTB keys and RW vectors of 16 rows.
@@ -629,11 +888,13 @@ void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scra
     sc.pos.resize(tile_rows);
     sc.krow.resize(std::max(kRowsChunk, kTileChunk));
     sc.vrow.resize(std::max(kRowsChunk, kTileChunk));
-    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
+    for (size_t i = next.fetch_add(1); i < items.size();) {
+      Claim claim{&next, &items};
       if (items[i].tiled)
         attend_tile(P, items[i], sc);
       else
-        attend_rows(P, items[i], sc);
+        attend_decode(P, items[i], sc, claim);
+      i = claim.taken ? claim.index : next.fetch_add(1);
     }
   });
 }
@@ -666,6 +927,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t S = block_tables.size(0), MB = block_tables.size(1);
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(NB * BS <= std::numeric_limits<int32_t>::max(), "too many cache slots for int32 slot numbers");
   if (int8_cache) {
     TORCH_CHECK(D % kKvGroup == 0, "int8 cache: head_dim must be a multiple of ", kKvGroup);
     TORCH_CHECK(k_cache.size(3) == row_len<uint8_t>(D), "int8 cache: rows must be head_dim + 4 * head_dim / ",
@@ -710,8 +972,48 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       items.push_back({int32_t(s), 0, int32_t(n), 0, int32_t(KVH), false, double(n * H) * double(L)});
     }
   }
-  // Too few tasks to keep every thread busy: give each kv head of a decode its own task.
-  if (KVH > 1 && !row_items.empty() && int64_t(items.size()) < 4 * at::get_num_threads()) {
+  // Too few tasks to keep every thread busy (the tail of a run: a few long decodes): split the contexts of the
+  // decodes into partitions (flash-decoding) of about equal cost, kSplitPerThread per thread over all items, each
+  // at least kMinPartKeys keys and starting on a chunk boundary; merged by the last partition to finish.
+  const int64_t nthreads = at::get_num_threads();
+  std::vector<WorkItem> parts;
+  std::vector<std::pair<int32_t, int32_t>> groups;  // per split decode: first slot, partitions
+  if (nthreads > 1 && !row_items.empty() && int64_t(items.size()) < 4 * nthreads) {
+    double total = 0.0;
+    for (const WorkItem& x : items) total += x.cost;
+    const double target = total / double(kSplitPerThread * nthreads);
+    for (int32_t idx : row_items) {
+      WorkItem& x = items[idx];
+      const int64_t keys = ctx[x.seq], chunks = (keys + kRowsChunk - 1) / kRowsChunk;
+      const int64_t np = std::min<int64_t>({std::llround(x.cost / target), keys / kMinPartKeys, chunks});
+      if (np < 2) continue;
+      x.cost = -1.0;  // replaced by its partitions
+      groups.push_back({int32_t(parts.size()), int32_t(np)});
+      for (int64_t p = 0; p < np; ++p) {
+        WorkItem y = items[idx];
+        y.k_begin = int32_t(p * chunks / np * kRowsChunk);
+        y.k_end = int32_t(std::min(keys, (p + 1) * chunks / np * kRowsChunk));
+        y.cost = double(y.q_end - y.q_begin) * double(H) * double(y.k_end - y.k_begin);
+        y.part = int32_t(parts.size());
+        y.group = int32_t(groups.size() - 1);
+        parts.push_back(y);
+      }
+    }
+    if (!parts.empty()) {
+      std::vector<int32_t> kept;
+      std::vector<WorkItem> rest;
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (items[i].cost < 0.0) continue;
+        if (!items[i].tiled) kept.push_back(int32_t(rest.size()));
+        rest.push_back(items[i]);
+      }
+      rest.insert(rest.end(), parts.begin(), parts.end());
+      items.swap(rest);
+      row_items.swap(kept);
+    }
+  }
+  // Still too few: give each kv head of an unsplit decode its own task.
+  if (KVH > 1 && !row_items.empty() && int64_t(items.size()) < 4 * nthreads) {
     for (int32_t idx : row_items) {
       items[idx].kv_end = 1;
       items[idx].cost /= KVH;
@@ -729,7 +1031,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const size_t pad = 16;
   const size_t NR = rows_max_R * H;
   const size_t span = KVH * D;
-  const size_t rows_floats = 2 * (NR * D + pad) + 3 * (NR + pad) + (NR * kRowsChunk + pad) + (span + pad) +
+  const size_t rows_floats = 2 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
                              (kRowsChunk * span + pad);
   const size_t Mp = (tile_max_M + 15) / 16 * 16;
   const size_t tile_floats = 2 * (Mp * D + pad) + 3 * (Mp + pad) + (kTileChunk * Mp + pad) +
@@ -744,20 +1046,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
   const float scale_log2 = static_cast<float>(scale) * kLog2e;
   const bool half_q = q.scalar_type() == at::kBFloat16;
+  Splits split;
+  std::vector<float> partial;
+  std::unique_ptr<SplitGroup[]> split_groups;
+  if (!parts.empty()) {
+    split.slot_floats = int64_t(NR * D + 2 * NR);
+    partial.resize(parts.size() * split.slot_floats);
+    split.partial = partial.data();
+    split_groups.reset(new SplitGroup[groups.size()]);
+    for (size_t i = 0; i < groups.size(); ++i) {
+      split_groups[i].first_slot = groups[i].first;
+      split_groups[i].parts = groups[i].second;
+      split_groups[i].left.store(groups[i].second, std::memory_order_relaxed);
+    }
+    split.groups = split_groups.get();
+  }
   if (k_cache.scalar_type() == at::kFloat) {
     const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
-                           H, KVH, G, D, BS, MB, scale_log2};
+                           H, KVH, G, D, BS, MB, scale_log2, split};
     run(P, items, scratch_floats, Mp);
   } else if (int8_cache) {
     const Problem<uint8_t> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                              k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bt, ctx, qsl,
-                             H, KVH, G, D, BS, MB, scale_log2};
+                             H, KVH, G, D, BS, MB, scale_log2, split};
     run(P, items, scratch_floats, Mp);
   } else {
     const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
-                                  qsl, H, KVH, G, D, BS, MB, scale_log2};
+                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split};
     run(P, items, scratch_floats, Mp);
   }
   return out;

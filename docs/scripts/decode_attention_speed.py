@@ -1,0 +1,73 @@
+"""Decode attention over a bf16 paged KV cache: the C++ kernel's time and effective read bandwidth.
+
+Per shape (batch x context), 30 layers' worth of cache in shuffled blocks of 16 tokens (so that it comes from
+memory, not from the last-level cache), the default model's heads (9 query, 3 kv, 64 wide), one decode query per
+sequence. Prints the best of `--reps` passes over the 30 layers, and the K/V bytes read divided by that time. The
+shapes: a full decode batch (193 x 300), mid-size ones, and the tail of a run (1-2 long sequences, where the
+kernel splits each context into partitions across threads).
+
+    python docs/scripts/decode_attention_speed.py            # the checkout on PYTHONPATH
+    PYTHONPATH=/work/main python docs/scripts/decode_attention_speed.py   # another checkout's kernel
+
+Timings on a shared machine are noisy: compare two checkouts by alternating runs, several times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import pagedllm
+from pagedllm.model.attention import paged_attention, write_kv
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+SHAPES = [(193, 300), (64, 512), (8, 1024), (2, 1200), (1, 1200)]
+
+
+def layer(batch: int, ctx: int, gen: torch.Generator) -> tuple:
+    """One layer's cache holding `batch` sequences of `ctx` tokens in shuffled blocks, and one decode query each."""
+    per_seq = -(-ctx // BLOCK)
+    shape = (batch * per_seq, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).int()
+    pos = torch.arange(ctx)
+    slots = (tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).flatten()
+    k, v = (torch.randn(batch * ctx, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
+    write_kv(k, v, k_cache, v_cache, slots)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    return (q, k_cache, v_cache, tables, torch.full((batch,), ctx, dtype=torch.int32),
+            torch.arange(batch + 1, dtype=torch.int32), HEAD_DIM ** -0.5, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7, help="passes over the 30 layers per shape (best is kept)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES),
+                        help="comma-separated batch x context, e.g. 2x1200,1x1200")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"pagedllm from {pagedllm.__file__}, {args.threads} threads, best of {args.reps}")
+    print(f"| {'batch x context':<15} | {'ms (30 layers)':>14} | {'effective KV read':>17} |")
+    print(f"|{'-' * 17}|{'-' * 16}|{'-' * 19}|")
+    for batch, ctx in shapes:
+        layers = [layer(batch, ctx, gen) for _ in range(LAYERS)]
+        for a in layers[:2]:
+            paged_attention(*a, backend="cpp")  # the first call builds or loads the kernel
+        best = float("inf")
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            for a in layers:
+                paged_attention(*a, backend="cpp")
+            best = min(best, time.perf_counter() - start)
+        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS  # K and V, bf16
+        print(f"| {f'{batch} x {ctx}':<15} | {best * 1e3:>14.1f} | {kv_bytes / best / 1e9:>12.1f} GB/s |", flush=True)
+        del layers
+
+
+if __name__ == "__main__":
+    main()
