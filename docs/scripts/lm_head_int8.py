@@ -1,13 +1,15 @@
 """The lm_head's matmul at the default model's shape (hidden 576 -> vocab 49,152; bf16 rows in, bf16 logits out),
-per number of rows M, three ways:
+per number of rows M, four ways:
 
-- int8 kernel: Int8Weight.mm as it runs now, quantize_rows_int8 + int8_gemm (csrc/int8_gemm.cpp, weight packed at
+- int8 + 16 split: what the default path runs now, the kernel below with the 16 largest input channels of each call
+  through the plain weight (Int8Weight's `outliers`, llama.LM_HEAD_OUTLIER_CHANNELS);
+- int8 kernel: Int8Weight.mm without the split, quantize_rows_int8 + int8_gemm (csrc/int8_gemm.cpp, weight packed at
   load);
 - int8 _int_mm: the path before it (and the fallback without AVX512-VNNI), quantize_rows_int8 + torch._int_mm per
   4,096 output columns + dequantize_int32;
 - bf16: oneDNN's matmul on the weight packed once (PackedWeight), what runs without int8.
 
-ms per call (best of several calls, the three interleaved in rounds so machine noise hits them alike) and GOP/s
+ms per call (best of several calls, the four interleaved in rounds so machine noise hits them alike) and GOP/s
 (2 * M * 576 * 49,152 operations). Random weights: the time does not depend on their values. Before each timed
 call a 64 MB buffer is written, which evicts the weights from the L3 cache (32 MB here, the int8 weight is 28 MB) as
 a forward pass over the rest of the model does in the engine; --warm skips that (the weight then stays in L3 and
@@ -26,6 +28,7 @@ import torch
 
 from pagedllm.model import kernels
 from pagedllm.model.layers import Int8Weight
+from pagedllm.model.llama import LM_HEAD_OUTLIER_CHANNELS
 
 VOCAB, HIDDEN = 49152, 576
 
@@ -56,7 +59,8 @@ def main() -> None:
         raise SystemExit("int8_gemm needs AVX512-VNNI, which this CPU lacks")
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN ** 0.5).bfloat16()
-    paths = {"int8 kernel": Int8Weight(weight, ext).mm, "int8 _int_mm": Int8Weight(weight, ext, kernel=False).mm}
+    paths = {"int8 + 16 split": Int8Weight(weight, ext, outliers=LM_HEAD_OUTLIER_CHANNELS).mm,
+             "int8 kernel": Int8Weight(weight, ext).mm, "int8 _int_mm": Int8Weight(weight, ext, kernel=False).mm}
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     paths["bf16 oneDNN"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     evict = None if args.warm else torch.zeros(64 << 20, dtype=torch.uint8)
