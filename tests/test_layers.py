@@ -432,6 +432,7 @@ def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dty
     torch.testing.assert_close(out.double(), expected, rtol=step, atol=step * expected.abs().max().item())
     ref = x.double() @ w.double().T
     assert (out.double() - ref).norm() < 0.25 * (plain.mm(x).double() - ref).norm()
+    assert split.mm(x[:0]).shape == (0, 48)
 def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:
     """A PackedWeight with an int8 form answers with it for every batch the int4 kernel does not take."""
     other = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))

@@ -110,13 +110,14 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias). With outliers, the input channels largest in this call go through the plain
-        weight and the rest through int8, as LLM.int8() splits them: a few channels of the residual stream run 10-25x
-        the median, and one int8 scale per row that holds them leaves the others a few steps each."""
-        if self.outliers:
+        weight and the rest through int8, as LLM.int8() splits them: a few channels of the model's hidden state run
+        10-25x the median, and one int8 scale per row that holds them leaves the others a few steps each."""
+        split = self.outliers and x.shape[0] > 0
+        if split:
             channels = x.abs().amax(dim=0).topk(self.outliers).indices
             big, x = x[:, channels], x.index_fill(1, channels, 0)
         out = self._int8_mm(x, bias)
-        if self.outliers:
+        if split:
             out.addmm_(big, self.plain_t[channels])
         return out
 
