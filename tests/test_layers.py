@@ -411,13 +411,11 @@ def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
     torch.testing.assert_close(weight.mm(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dtype) -> None:
     """With outliers=k, the k input channels largest in the call are multiplied in full precision and the rest in
     int8 with a per-row scale that no longer has to hold them: exactly that sum, and far closer to the float product
-    than plain w8a8 when a few channels run 20x the others (as in the model's residual stream)."""
+    than plain w8a8 when a few channels run 20x the others (as in the model's hidden state)."""
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(48, 64, generator=gen).to(dtype), torch.randn(7, 64, generator=gen)
     x[:, [3, 40]] *= 20
@@ -433,6 +431,8 @@ def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dty
     ref = x.double() @ w.double().T
     assert (out.double() - ref).norm() < 0.25 * (plain.mm(x).double() - ref).norm()
     assert split.mm(x[:0]).shape == (0, 48)
+
+
 def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:
     """A PackedWeight with an int8 form answers with it for every batch the int4 kernel does not take."""
     other = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))

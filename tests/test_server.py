@@ -540,7 +540,6 @@ def test_dead_engine_gives_503s_not_hangs() -> None:
         assert r.status_code == 503
 
 
-
 def test_build_off_main_thread_returns_or_raises_what_the_factory_does() -> None:
     """A server's engine is built in a thread that then ends (its OpenMP pool with it; see build_off_main_thread)."""
     import threading

@@ -18,27 +18,12 @@ import argparse
 import time
 
 import torch
+from kv_int8_attention import HEAD_DIM, KV_HEADS, LAYERS, layer  # this folder: the same cache, bf16 here
 
 import pagedllm
-from pagedllm.model.attention import paged_attention, write_kv
+from pagedllm.model.attention import paged_attention
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 SHAPES = [(193, 300), (64, 512), (8, 1024), (2, 1200), (1, 1200)]
-
-
-def layer(batch: int, ctx: int, gen: torch.Generator) -> tuple:
-    """One layer's cache holding `batch` sequences of `ctx` tokens in shuffled blocks, and one decode query each."""
-    per_seq = -(-ctx // BLOCK)
-    shape = (batch * per_seq, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
-    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).int()
-    pos = torch.arange(ctx)
-    slots = (tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).flatten()
-    k, v = (torch.randn(batch * ctx, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
-    write_kv(k, v, k_cache, v_cache, slots)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).bfloat16()
-    return (q, k_cache, v_cache, tables, torch.full((batch,), ctx, dtype=torch.int32),
-            torch.arange(batch + 1, dtype=torch.int32), HEAD_DIM ** -0.5, 1)
 
 
 def main() -> None:
@@ -55,7 +40,7 @@ def main() -> None:
     print(f"| {'batch x context':<15} | {'ms (30 layers)':>14} | {'effective KV read':>17} |")
     print(f"|{'-' * 17}|{'-' * 16}|{'-' * 19}|")
     for batch, ctx in shapes:
-        layers = [layer(batch, ctx, gen) for _ in range(LAYERS)]
+        layers = [layer(batch, ctx, False, gen) for _ in range(LAYERS)]
         for a in layers[:2]:
             paged_attention(*a, backend="cpp")  # the first call builds or loads the kernel
         best = float("inf")

@@ -39,7 +39,8 @@ def build_off_main_thread(factory: Callable[[], T]) -> T:
     more threads than there are CPUs, counting the workers of every thread that ever ran a parallel region until
     that thread ends. Loading and packing a model runs parallel regions, so an engine built by the main thread
     left a second pool beside the loop thread's, and each of a step's hundreds of regions then woke a sleeping
-    worker: 19% of the throughput with 64 streams in flight (docs/performance.md). A thread's pool ends with it."""
+    worker: 19-25% of the throughput with 64 streams in flight (docs/scripts/engine_thread_pools.py). A thread's
+    pool ends with it."""
     result: list[T] = []
     errors: list[BaseException] = []
 

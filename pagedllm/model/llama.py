@@ -15,7 +15,7 @@ from pagedllm.model.loader import ModelConfig, Q4Weight
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 
 # input channels of the int8 lm_head computed from the plain weight (Int8Weight.mm); 16 of 576 here brought its top-5
-# logprob error from 1.17-1.26x plain bf16's to about 1x (`pagedllm bench accuracy`, docs/performance.md)
+# logprob error from 1.17-1.26x plain bf16's to about 1x (`python docs/scripts/outlier_channels_gate.py`)
 LM_HEAD_OUTLIER_CHANNELS = 16
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 
