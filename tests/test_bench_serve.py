@@ -123,7 +123,7 @@ def test_unreachable_server_counts_every_request_as_failed() -> None:
     run = asyncio.run(run_benchmark(url, "m", make_requests([(5, 2, 1)] * 3), [0.0] * 3, sample_interval=0.05))
     summary = summarize(run, math.inf)
     assert summary["num_failed"] == 3 and summary["num_completed"] == 0
-    assert all("ConnectError" in r.error for r in run.results)
+    assert all("ClientConnectorError" in r.error for r in run.results)
     assert summary["request_rate"] == "inf" and summary["normalized_latency_s_per_token"] is None
     assert summary["mean_ttft_s"] is None and summary["peak_num_running"] is None and run.timeline == []
     json.dumps(summary, allow_nan=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 
 import pytest
 import torch
@@ -46,3 +47,19 @@ def test_mapping_never_changes_what_is_stored():
     assert torch.isnan(caches[0]).all()
     assert all((t == i).all() for i, t in enumerate(caches[1:], start=1))
 
+
+
+def test_only_blocks_ahead_of_use_are_mapped_until_the_wait():
+    """A step's highest block moves the mapped span; the rest of the pool stays unmapped until `wait()` asks for it."""
+    caches = [torch.empty(8192, 16, 2, 64) for _ in range(2)]  # 64 MiB each: fresh pages from mmap
+    prefault = KVPrefault(caches, ahead=256)
+    prefault.run_ahead_of(1023)
+    deadline = time.monotonic() + 60
+    while resident_fraction(caches[1][:1280]) < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if prefault.error:
+        pytest.skip(f"no MADV_POPULATE_WRITE here: {prefault.error}")
+    assert resident_fraction(caches[0][:1280]) == resident_fraction(caches[1][:1280]) == 1.0
+    assert resident_fraction(caches[0][1536:]) == 0.0 and not prefault.done.is_set()
+    assert prefault.wait(timeout=60)
+    assert resident_fraction(caches[0]) == resident_fraction(caches[1]) == 1.0

@@ -16,7 +16,14 @@ import sys
 import tempfile
 
 from pagedllm.bench.datasets import BenchRequest, sample_requests
-from pagedllm.bench.serve import ServerProcess, fetch_model_card, run_benchmark, scrape_metrics, summarize
+from pagedllm.bench.serve import (
+    ServerProcess,
+    fetch_model_card,
+    http_client,
+    run_benchmark,
+    scrape_metrics,
+    summarize,
+)
 from pagedllm.engine.replica_pool import LOCAL_RAY_ENV
 from pagedllm.model.loader import load_tokenizer
 
@@ -35,9 +42,7 @@ def system_prompt_requests(tokenizer, num: int, num_prefixes: int, prefix_len: i
 
 
 async def hit_counts(url: str) -> tuple[float, float]:
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url) as client:
+    async with http_client(url, None) as client:
         values = await scrape_metrics(client) or {}
     return values.get("pagedllm:prefix_cache_queries_total", 0.0), values.get("pagedllm:prefix_cache_hits_total", 0.0)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -76,7 +77,7 @@ def error_message(body: bytes | dict) -> str:
     return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
 
 
-async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], result: RequestResult,
+async def send_request(client: aiohttp.ClientSession, payload: dict[str, Any], result: RequestResult,
                        t0: float) -> None:
     """Stream one completion, timing every chunk per choice; a failure is recorded in `result`, never raised."""
     start = time.perf_counter()
@@ -84,15 +85,15 @@ async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], resul
     last_chunk: dict[int, float] = {}  # choice index -> arrival of its latest chunk
     done = False
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {error_message(await response.aread())}"
+        async with client.post("/v1/completions", json=payload) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {error_message(await response.read())}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     done = True
                     break
                 event = json.loads(data)
@@ -100,7 +101,7 @@ async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], resul
                     result.error = error_message(event)
                     return
                 record_chunk(event, time.perf_counter(), start, last_chunk, result)
-    except (httpx.HTTPError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return
     result.latency_s = time.perf_counter() - start
@@ -125,27 +126,28 @@ def record_chunk(event: dict[str, Any], now: float, start: float, last_chunk: di
 
 
 # ---- server metrics ----------------------------------------------------------------------------------------------
-async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, float] | None:
+async def scrape_metrics(client: aiohttp.ClientSession) -> dict[str, float] | None:
     """Every sample of the server's /metrics (Prometheus text) by name, summed over labels; None if it has none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = await client.get("/metrics", timeout=10)
-        if response.status_code != 200:
-            return None
+        async with client.get("/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
         values: dict[str, float] = {}
-        for family in text_string_to_metric_families(response.text):
+        for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
-    except (httpx.HTTPError, ValueError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
 
 
 class MetricsSampler:
     """The server's batch size and KV cache gauges every `interval` seconds while a run lasts (its timeline)."""
 
-    def __init__(self, client: httpx.AsyncClient, interval: float) -> None:
+    def __init__(self, client: aiohttp.ClientSession, interval: float) -> None:
         self.client, self.interval = client, interval
         self.samples: list[dict[str, float | None]] = []
         self.task: asyncio.Task | None = None
@@ -182,11 +184,12 @@ class BenchmarkRun:
     loadavg: tuple[list[float], list[float]] = ([], [])
 
 
-def http_client(base_url: str, api_key: str | None) -> httpx.AsyncClient:
-    """No connection limit (concurrency is the benchmark's to set) and no read timeout (requests may queue long)."""
+def http_client(base_url: str, api_key: str | None) -> aiohttp.ClientSession:
+    """No connection limit (concurrency is the benchmark's to set) and no read timeout (requests may queue long).
+    aiohttp, as vLLM's benchmark client uses: its C HTTP parser keeps the client's share of a shared CPU small."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None, connect=30.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    return aiohttp.ClientSession(base_url=base_url, headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, connect=30.0), read_bufsize=1 << 20)
 
 
 async def run_benchmark(base_url: str, model: str, requests: Sequence[Any], arrivals: Sequence[float], *,

@@ -135,6 +135,7 @@ class ModelRunner:
         sampling)."""
         self.copy_blocks(plan.copies)
         input_ids, positions, meta, logit_rows = self.prepare(plan)
+        self.prefault.run_ahead_of(int(meta.block_tables.max()))
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
