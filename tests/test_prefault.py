@@ -4,6 +4,7 @@ changes."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import time
 
@@ -51,7 +52,8 @@ def test_mapping_never_changes_what_is_stored():
 
 def test_only_blocks_ahead_of_use_are_mapped_until_the_wait():
     """A step's highest block moves the mapped span; the rest of the pool stays unmapped until `wait()` asks for it."""
-    caches = [torch.empty(8192, 16, 2, 64) for _ in range(2)]  # 64 MiB each: fresh pages from mmap
+    buffers = [mmap.mmap(-1, 8192 * 16 * 2 * 64 * 4) for _ in range(2)]  # fresh anonymous pages, none resident
+    caches = [torch.frombuffer(b, dtype=torch.float32).view(8192, 16, 2, 64) for b in buffers]
     prefault = KVPrefault(caches, ahead=256)
     prefault.run_ahead_of(1023)
     deadline = time.monotonic() + 60
