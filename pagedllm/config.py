@@ -66,6 +66,11 @@ class EngineConfig:
     # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
     # docs/performance.md); auto: the model's dtype
     kv_cache_dtype: str = "auto"
+    # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy decode also verifies up to this many
+    # tokens proposed from an earlier occurrence of its last tokens, while at most `speculative_disable_by_batch_size`
+    # sequences run (small steps are bound by reading the weights, big ones by FLOPs); 0 turns it off
+    num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +105,11 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
                              "default model (2.8x bf16's logprob error, docs/performance.md); use int8")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be positive, got "
+                             f"{self.speculative_disable_by_batch_size}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 
@@ -152,6 +162,12 @@ class EngineConfig:
         g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPES,
                        help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
                             "bf16's bytes (1.6x the tokens in the same memory); auto: the model's dtype")
+        g.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"].default,
+                       help="speculative decoding by prompt lookup: tokens proposed per greedy decode from an earlier "
+                            "occurrence of its last 1-3 tokens, verified in the same step (0: off)")
+        g.add_argument("--speculative-disable-by-batch-size", type=int,
+                       default=d["speculative_disable_by_batch_size"].default,
+                       help="speculate only while at most this many sequences run (bigger steps are bound by FLOPs)")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")

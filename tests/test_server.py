@@ -116,6 +116,23 @@ def test_completion_stream_equals_non_stream_and_usage(client: openai.OpenAI, mo
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
 
 
+def test_speculative_steps_stream_the_same_text_and_count_in_metrics(server: Server, client: openai.OpenAI,
+                                                                    model: str) -> None:
+    """A greedy request alone runs speculative steps (several tokens a step): streamed text equals the whole text,
+    the usage counts every token, and /metrics counts the proposals."""
+    before = metrics(server)
+    prompt = [1000, 2000, 3000, 4000, 5000] * 6  # repeats itself: the lookup proposes from the start
+    kw = dict(model=model, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 40
+    after = metrics(server)
+    assert metric(after, "spec_decode_num_draft_tokens_total") > metric(before, "spec_decode_num_draft_tokens_total")
+    assert metric(after, "spec_decode_num_accepted_tokens_total") > metric(before,
+                                                                          "spec_decode_num_accepted_tokens_total")
+
+
 def test_chat_stream_equals_non_stream_and_usage(server: Server, client: openai.OpenAI, model: str,
                                                  tokenizer: Tokenizer) -> None:
     kw = dict(model=model, messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})

@@ -13,9 +13,10 @@ class ScheduledSeq:
 
     seq: Sequence
     start: int  # tokens already in the cache when the step begins
-    num_new_tokens: int  # tokens whose K/V this step computes: a prompt chunk, or 1 for a decode
+    num_new_tokens: int  # tokens whose K/V this step computes: a prompt chunk, or 1 (+ the draft's) for a decode
     block_table: list[int]  # the sequence's physical blocks, logical order (read-only for the runner)
     samplers: list[Sequence] = field(default_factory=list)  # draw their next token from this chunk's last position
+    draft: list[int] = field(default_factory=list)  # proposed tokens after the chunk's (speculative decoding)
 
     @property
     def end(self) -> int:
@@ -41,5 +42,10 @@ class SchedulerOutput:
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in the order of the sampler's rows."""
+        """The sequences that get a token from this step, in plan order."""
         return [seq for s in self.scheduled for seq in s.samplers]
+
+    @property
+    def sampling_rows(self) -> list[Sequence]:
+        """The sequence of each of the sampler's rows: one per sampler, and one more per proposed token."""
+        return [seq for s in self.scheduled for seq in s.samplers for _ in range(1 + len(s.draft))]

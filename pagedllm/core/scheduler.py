@@ -25,20 +25,33 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        # Speculative decoding (prompt lookup): up to this many proposed tokens per greedy decode, while at most
+        # `speculative_max_running` sequences run and none waits; 0 turns it off (the engine sets both).
+        self.num_speculative_tokens = 0
+        self.speculative_max_running = 0
 
     def schedule(self) -> SchedulerOutput:
         self.block_manager.recorder.step += 1
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
+        speculate = self._may_speculate()
         for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
             if out.budget == 0:
                 break
             if group.status is SequenceStatus.RUNNING:  # not preempted earlier in this loop
-                writes = self._plan_writes(group, out.budget)
+                writes = self._plan_writes(group, out.budget, speculate)
                 if self._make_room(group, writes, out):
                     self._run(group, writes, out)
         self._admit_waiting(out)
         out.copies = self.block_manager.take_copies()
         return out
+
+    def _may_speculate(self) -> bool:
+        """Few sequences running, none waiting, and room for every draft without preempting anyone for it."""
+        running = self.num_running_seqs
+        if not self.num_speculative_tokens or self.waiting or running > self.speculative_max_running:
+            return False
+        bs = self.block_manager.block_size
+        return self.block_manager.num_free_blocks >= running * (-(-self.num_speculative_tokens // bs) + 1)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         """FCFS while seats, budget and free blocks last; nothing new joins a step that had to preempt."""
@@ -50,8 +63,9 @@ class Scheduler:
             self._admit(group)
             self._run(group, writes, out)
 
-    def _plan_writes(self, group: SequenceGroup, budget: int) -> Writes:
-        """Each live sequence's next chunk within the budget; one without blocks starts after its cached prefix."""
+    def _plan_writes(self, group: SequenceGroup, budget: int, speculate: bool = False) -> Writes:
+        """Each live sequence's next chunk within the budget; one without blocks starts after its cached prefix.
+        With `speculate`, a greedy decode also writes the tokens its n-gram lookup proposes (`_draft`)."""
         writes = []
         for seq in group.live_seqs:
             prefix = Prefix()
@@ -61,9 +75,17 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget)
             if n == 0:
                 break
+            if speculate and n == seq.num_uncomputed_tokens == 1 and seq.may_speculate:
+                n += len(self._draft(seq, budget - 1))
             budget -= n
             writes.append((seq, Write(seq.seq_id, start, start + n, prefix)))
         return writes
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """The tokens proposed after `seq`'s last one, within the budget, its max_tokens and the model's length."""
+        room = min(self.num_speculative_tokens, budget, seq.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens)
+        return seq.lookup.propose(seq.token_ids, room) if room > 0 else []
 
     def _make_room(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> bool:
         """Preempt the newest running groups until `group` gets its blocks; False if `group` itself went."""
@@ -84,10 +106,12 @@ class Scheduler:
                 seq.num_computed_tokens = w.start
         for seq, w in writes:
             bm.allocate(seq.seq_id, w.end, w.start)
-            samplers = [seq] if w.end == seq.num_tokens else []
+            samplers = [seq] if w.end >= seq.num_tokens else []
             if samplers and group.unforked:
                 samplers += self._fork(group, seq)
-            out.scheduled.append(ScheduledSeq(seq, w.start, w.end - w.start, bm.block_table(seq.seq_id), samplers))
+            draft = seq.lookup.propose(seq.token_ids, w.end - seq.num_tokens) if w.end > seq.num_tokens else []
+            out.scheduled.append(ScheduledSeq(seq, w.start, w.end - w.start, bm.block_table(seq.seq_id), samplers,
+                                              draft))
             out.budget -= w.end - w.start
 
     # ---- hooks the baselines override ----------------------------------------------------------------------------
@@ -149,11 +173,13 @@ class Scheduler:
         out.preempted.append(group)
 
     def commit(self, plan: SchedulerOutput) -> None:
-        """After the model step: advance each sequence and register the blocks the step filled in the cache."""
+        """After the model step: advance each sequence and register the blocks the step filled in the cache. A
+        speculative decode's `draft` holds, by now, only the proposed tokens the model accepted (the engine cut it)."""
         for s in plan.scheduled:
             for seq in s.samplers or [s.seq]:
                 seq.num_computed_tokens = s.end
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, s.end)
+                tokens = seq.token_ids + s.draft if s.draft else seq.token_ids
+                self.block_manager.cache_full_blocks(seq.seq_id, tokens, s.end)
 
     def finish(self, group: SequenceGroup) -> None:
         """Give back the blocks of the group's finished sequences; drop the group once all of them are."""

@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pagedllm.core.ngram import NgramIndex
 from pagedllm.outputs import Logprob, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class Sequence:
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # the block manager's key, unique per process
+    lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # for speculative decoding's proposals
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -65,6 +67,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def may_speculate(self) -> bool:
+        """Plain greedy with nothing that reads the distribution per token: what verifying proposals cannot change
+        (several samples, logprobs, penalties, min_tokens bans and grammars keep one token a step)."""
+        p = self.params
+        return (p.greedy and p.n == 1 and p.logprobs is None and p.structured_outputs is None
+                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and self.num_output_tokens >= max(1, p.min_tokens))
 
     def fork_from(self, parent: Sequence) -> None:
         """Take the parent's tokens and progress: the sample starts where the shared prefill ended."""

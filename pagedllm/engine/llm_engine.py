@@ -54,6 +54,8 @@ class EngineCounters:
     kv_tokens_stored_sum: int
     kv_steps: int  # steps summed
     peak_num_running: int  # most sequences running in one step
+    spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_waste_fraction(self) -> float:
@@ -120,6 +122,11 @@ class LLMEngine:
                                         config.enable_prefix_caching, config.max_num_seqs,
                                         config.max_num_batched_tokens, self.max_model_len)
         self.block_manager = self.scheduler.block_manager
+        if config.kv_policy == "paged" and config.batching == "continuous":  # the baselines reserve exact lengths
+            self.scheduler.num_speculative_tokens = config.num_speculative_tokens
+            self.scheduler.speculative_max_running = config.speculative_disable_by_batch_size
+        self.num_draft_tokens = 0  # proposed tokens verified, and those accepted (vLLM's spec_decode counters)
+        self.num_accepted_tokens = 0
         self.kv_usage = KVUsage()
         self.groups: dict[str, SequenceGroup] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
@@ -233,7 +240,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineCounters(bm.prefix_cache_queries, bm.prefix_cache_hits, bm.pool.num_used,
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
-                              self.scheduler.num_preemptions, **asdict(self.kv_usage))
+                              self.scheduler.num_preemptions, **asdict(self.kv_usage),
+                              spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
 
     def kv_snapshot(self, since: int | None = None) -> KVSnapshot:
         """The KV cache as plain data, for a dashboard or a trace: every held block and each request's block tables;
@@ -315,14 +323,37 @@ class LLMEngine:
         """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
         if self.faults is not None:
             self.faults.check_model_step(plan)
-        sampled = self.runner.execute(plan, self._grammar_mask(plan.sampling_seqs) if self.matchers else None)
+        sampled = self.runner.execute(plan, self._grammar_mask(plan.sampling_rows) if self.matchers else None)
+        emitted = self._accept_drafts(plan, sampled) if sampled is not None else []
         self.scheduler.commit(plan)
         if whole_step:  # KV held vs stored, before finished sequences leave (a failed step counts once, at its end)
             self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         if sampled is None:
             return []
-        self.num_generated_tokens += len(plan.sampling_seqs)
-        return self._process_outputs(plan.sampling_seqs, sampled)
+        return self._process_outputs(emitted, sampled)
+
+    def _accept_drafts(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[tuple[Sequence, int, int]]:
+        """(sequence, its first row, tokens it gets) per sampler. A speculative decode keeps its proposed tokens up
+        to the first the model's own pick differs from, and gets those picks plus the next one: exactly the tokens
+        one-token greedy steps would give. Its `draft` and chunk are cut to what was accepted (commit's input)."""
+        emitted, row = [], 0
+        picks = sampled.token_ids.tolist() if any(s.draft for s in plan.scheduled) else None
+        for s in plan.scheduled:
+            if s.draft and picks is not None:  # one sampler (n == 1), 1 + len(draft) rows
+                proposed = len(s.draft)
+                accepted = next((i for i, t in enumerate(s.draft) if t != picks[row + i]), proposed)
+                self.num_draft_tokens += proposed
+                self.num_accepted_tokens += accepted
+                s.num_new_tokens -= proposed - accepted
+                s.draft = s.draft[:accepted]
+                emitted.append((s.seq, row, accepted + 1))
+                row += proposed + 1
+                continue
+            for seq in s.samplers:
+                emitted.append((seq, row, 1))
+                row += 1
+        self.num_generated_tokens += sum(n for _, _, n in emitted)
+        return emitted
 
     # ---- a failed step ----------------------------------------------------------------------------
     def _isolate(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -397,15 +428,19 @@ class LLMEngine:
         return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64),
                            self.structured.fill_bitmask([m for _, m in rows]))
 
-    def _process_outputs(self, sampling: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
-        """Each sampled token through the stop checks and the detokenizer; a request that raises here fails alone."""
+    def _process_outputs(self, emitted: list[tuple[Sequence, int, int]], sampled: SamplerOutput,
+                         ) -> list[RequestOutput]:
+        """Each sampled token through the stop checks and the detokenizer, in order (a sequence that stops drops the
+        rest of its step's tokens); a request that raises here fails alone."""
         touched: dict[str, SequenceGroup] = {}
         errors: dict[str, Exception] = {}
-        for row, seq in enumerate(sampling):
+        for seq, first_row, count in emitted:
             if seq.request_id in errors:
                 continue
             try:
-                self._process_token(seq, sampled, row)
+                for row in range(first_row, first_row + count):
+                    if not seq.is_finished:
+                        self._process_token(seq, sampled, row)
             except Exception as e:
                 logger.exception("request %s failed while its token was processed", seq.request_id)
                 errors[seq.request_id] = e

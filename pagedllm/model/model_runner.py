@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.plan import SchedulerOutput
+from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
@@ -106,7 +106,8 @@ class ModelRunner:
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
         input_ids = torch.tensor(list(chain.from_iterable(
-            s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in scheduled)), dtype=torch.int64)
+            s.seq.token_ids[s.start:s.end] + s.draft if s.draft else s.seq.token_ids[s.start:s.end]
+            for s in scheduled)), dtype=torch.int64)
         query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=query_start_loc[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
@@ -125,12 +126,23 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(torch.int32),
             max_query_len=int(lens.max()),
         )
-        fan_out = torch.tensor([len(s.samplers) for s in scheduled], dtype=torch.int64)  # n at a group's first sample
-        return input_ids, positions, meta, torch.repeat_interleave(query_start_loc[1:] - 1, fan_out)
+        return input_ids, positions, meta, self.logit_rows(scheduled, query_start_loc)
+
+    @staticmethod
+    def logit_rows(scheduled: list[ScheduledSeq], query_start_loc: torch.Tensor) -> torch.Tensor:
+        """The hidden rows sampled, in plan order: a chunk's last row once per sampler (n at a group's first sample),
+        and for a speculative decode its last 1 + len(draft) rows (the token after each proposed one)."""
+        fan_out = torch.tensor([len(s.samplers) + len(s.draft) for s in scheduled], dtype=torch.int64)
+        rows = torch.repeat_interleave(query_start_loc[1:] - 1, fan_out)
+        if any(s.draft for s in scheduled):
+            drafts = torch.repeat_interleave(torch.tensor([len(s.draft) for s in scheduled]), fan_out)
+            first = torch.repeat_interleave(torch.cumsum(fan_out, 0) - fan_out, fan_out)
+            rows += torch.where(drafts > 0, torch.arange(len(rows)) - first - drafts, 0)
+        return rows
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, grammar: GrammarMask | None = None) -> SamplerOutput | None:
-        """One model step; returns the tokens of the sequences that sample, in plan order (None if none do).
+        """One model step; returns a token for each of the plan's sampling rows, in order (None if none sample).
         `grammar`: the tokens allowed on the structured-output rows (masked before greedy's top candidates, or before
         sampling)."""
         self.copy_blocks(plan.copies)
@@ -139,7 +151,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
-        seqs = plan.sampling_seqs
+        seqs = plan.sampling_rows
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,

@@ -67,6 +67,8 @@ class EngineStats:
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recompute).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified (speculation).")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
         self.engine_restarts = counter("engine_restarts", "Engines replaced after a failure they could not survive.")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks held by requests.")
         self.kv_blocks_cached_free = gauge(
@@ -85,6 +87,7 @@ class EngineStats:
         self._progress: dict[str, _Progress] = {}
         self._seen_preemptions = 0
         self._seen_prefix_cache = (0, 0)  # the scheduler's (queries, hits) token counts at the last record
+        self._seen_spec = (0, 0)  # the engine's (draft, accepted) token counts at the last record
         self._peak_running = 0
         self._idle = True
         self._start_interval(time.monotonic())
@@ -113,6 +116,7 @@ class EngineStats:
             self.num_preemptions.inc(stats.preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.preemptions
         self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self._record_spec_delta(getattr(stats, "spec_draft_tokens", 0), getattr(stats, "spec_accepted_tokens", 0))
         self._maybe_log_engine(stats.kv_cache_usage, running, waiting)
 
     def record_restart(self) -> None:
@@ -121,6 +125,7 @@ class EngineStats:
         self._progress.clear()
         self._seen_preemptions = 0
         self._seen_prefix_cache = (0, 0)
+        self._seen_spec = (0, 0)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""
@@ -132,6 +137,13 @@ class EngineStats:
         if queries > seen_queries:
             self.record_prefix_cache(queries - seen_queries, hits - seen_hits)
             self._seen_prefix_cache = (queries, hits)
+
+    def _record_spec_delta(self, draft: int, accepted: int) -> None:
+        seen_draft, seen_accepted = self._seen_spec
+        if draft > seen_draft:
+            self.spec_draft_tokens.inc(draft - seen_draft)
+            self.spec_accepted_tokens.inc(accepted - seen_accepted)
+            self._seen_spec = (draft, accepted)
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         progress = self._progress.setdefault(out.request_id, _Progress())

@@ -1,0 +1,102 @@
+"""Speculative decoding by prompt lookup: a greedy sequence's tokens are those of one-token steps (transformers' in
+fp32) whatever the proposals, the chunking, the block size or preemption; proposals are really verified and accepted;
+every block comes back; it stays off where it must."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.ngram import NgramIndex
+
+SPECULATE_ALWAYS = dict(num_speculative_tokens=4, speculative_disable_by_batch_size=256)
+
+
+def repeating_prompts(n: int = 8, seed: int = 1) -> list[list[int]]:
+    """Prompts that quote themselves (a phrase said several times), so that lookups find something to propose."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = [rng.randrange(100, 49152) for _ in range(rng.choice([2, 3, 5, 9]))]
+        lead = [rng.randrange(100, 49152) for _ in range(rng.choice([1, 4, 7]))]
+        prompts.append(lead + phrase * rng.choice([2, 3, 4]))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny):
+    prompts = mixed_prompts(8) + repeating_prompts()
+    return prompts, [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    index = NgramIndex()
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert index.propose(tokens, 2) == [7, 5]  # (1, 2, 3) last seen at 4..6; the final occurrence is not a match
+    tokens.append(7)
+    assert index.propose(tokens, 4) == [5, 1, 2, 3]  # (2, 3, 7), then the index grows with the sequence
+    assert NgramIndex().propose([5, 6, 1, 5], 2) == [6, 1]  # no 3- or 2-gram match: the last token alone
+    assert NgramIndex().propose([5, 6, 1, 7], 3) == [] and NgramIndex().propose([4], 3) == []
+    assert NgramIndex().propose([8, 8, 8, 8], 3) == [8]  # what followed (8, 8, 8) at 0..2: one token is known
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(block_size=16),
+    dict(block_size=1),
+    dict(block_size=16, max_num_batched_tokens=7),  # chunked prefill; the budget also cuts the drafts
+    dict(num_blocks=12, block_size=8, max_num_batched_tokens=64),  # preemption drops drafts and recomputes
+    dict(block_size=4, attention_backend="reference"),
+], ids=["bs16", "bs1", "chunked", "preemption", "reference-attention"])
+def test_greedy_tokens_match_transformers_with_speculation(tiny_model_dir, reference, engine_args):
+    prompts, refs = reference
+    engine_args = {"num_blocks": 512, **engine_args}
+    llm = LLM(tiny_model_dir, dtype="float32", **SPECULATE_ALWAYS, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    engine = llm.engine
+    for out, (ref, logits) in zip(outs, refs):
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == MAX_TOKENS
+        assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens  # proposals were made, some held, some not
+    assert engine.num_generated_tokens == MAX_TOKENS * len(prompts)
+    assert engine.block_manager.num_free_blocks == engine_args["num_blocks"]
+    engine.check_invariants()
+
+
+def test_stops_and_lengths_are_those_of_one_token_steps(tiny_model_dir):
+    """max_tokens, stop strings and EOS end a sequence inside a step's accepted tokens exactly where one-token steps
+    end it; sampled requests beside them keep their seeded draws (their rows move, their generators do not)."""
+    prompts = repeating_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (1, 2, 5, 13)]
+    params += [SamplingParams(temperature=0, max_tokens=40, stop=["a", " the"]),
+               SamplingParams(temperature=0.9, seed=7, max_tokens=20)]
+    runs = []
+    for k in (0, 4):
+        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=k,
+                  speculative_disable_by_batch_size=256)
+        runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        assert llm.engine.block_manager.num_free_blocks == 256
+    assert llm.engine.num_accepted_tokens > 0
+    for plain, speculative in zip(*runs):
+        a, b = plain.outputs[0], speculative.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
+                                                                          a.stop_reason)
+
+
+def test_off_when_many_run_or_requests_wait_or_sampling_needs_each_step(tiny_model_dir):
+    prompts = repeating_prompts(6, seed=5)
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=4,
+              speculative_disable_by_batch_size=5)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert llm.engine.num_draft_tokens == 0  # six ran together until all finished at once
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, **SPECULATE_ALWAYS)
+    for params in (SamplingParams(temperature=0.8, seed=1, max_tokens=MAX_TOKENS),
+                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2),
+                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2)):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.num_draft_tokens == 0
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert llm.engine.num_draft_tokens > 0
