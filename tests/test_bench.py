@@ -65,6 +65,7 @@ def test_throughput_runs(tiny_model_dir, tmp_path):
                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--output-json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["num_prompts"] == 4 and result["output_tokens"] == 16 and result["num_preemptions"] == 0
+    assert 0 <= result["spec_accepted_tokens"] <= result["spec_draft_tokens"]
 
 
 def run_throughput(tiny_model_dir, tmp_path, *flags: str) -> dict:
