@@ -118,8 +118,9 @@ def test_run_measures_every_request_and_counts_failures(server: ServerProcess, t
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-def test_unreachable_server_counts_every_request_as_failed() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+@pytest.mark.parametrize("path", ["", "/", "/behind/a/proxy"])
+def test_unreachable_server_counts_every_request_as_failed(path: str) -> None:
+    url = f"http://127.0.0.1:{free_port()}{path}"  # nothing listens there; a path prefix is a URL like any other
     run = asyncio.run(run_benchmark(url, "m", make_requests([(5, 2, 1)] * 3), [0.0] * 3, sample_interval=0.05))
     summary = summarize(run, math.inf)
     assert summary["num_failed"] == 3 and summary["num_completed"] == 0

@@ -1,8 +1,8 @@
 """What prompt-lookup (n-gram) speculation would save on a workload, before building it: the workload's greedy outputs
-are generated once, then replayed against a simulated proposer (the latest earlier occurrence of the last 3, else 2,
-else 1 tokens of prompt + output proposes the k tokens that followed it; greedy verification accepts the longest
-matching prefix plus the model's own next token). Prints the decode steps a request would need against its tokens,
-over the workload and for its longest requests, which set how many steps the run's tail lasts.
+are generated once, then replayed against the engine's proposer (`core/ngram.py`: the latest earlier occurrence of the
+last 3, else 2, else 1 tokens of prompt + output proposes the k tokens that followed it; greedy verification accepts
+the longest matching prefix plus the model's own next token). Prints the decode steps a request would need against its
+tokens, over the workload and for its longest requests, which set how many steps the run's tail lasts.
 
     python docs/scripts/ngram_acceptance.py WORKLOAD_JSONL [K ...]
 
@@ -16,23 +16,14 @@ import json
 import sys
 
 from pagedllm import LLM, SamplingParams
-
-
-def propose(context: list[int], k: int, max_n: int = 3) -> list[int]:
-    """The k tokens after the latest earlier occurrence of the context's last n tokens (longest n first)."""
-    for n in range(min(max_n, len(context) - 1), 0, -1):
-        key = context[-n:]
-        for j in range(len(context) - n - 1, -1, -1):
-            if context[j:j + n] == key:
-                return context[j + n:j + n + k]
-    return []
+from pagedllm.core.ngram import NgramIndex
 
 
 def steps_needed(prompt: list[int], output: list[int], k: int) -> int:
-    """Decode steps to produce `output` when each step verifies up to k proposed tokens."""
-    context, done, steps = list(prompt), 0, 0
+    """Decode steps to produce `output` when each step verifies up to k tokens the engine's proposer offers."""
+    context, lookup, done, steps = list(prompt), NgramIndex(), 0, 0
     while done < len(output):
-        draft = propose(context, k)
+        draft = lookup.propose(context, k)
         accepted = 0
         while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
             accepted += 1

@@ -85,7 +85,7 @@ async def send_request(client: aiohttp.ClientSession, payload: dict[str, Any], r
     last_chunk: dict[int, float] = {}  # choice index -> arrival of its latest chunk
     done = False
     try:
-        async with client.post("/v1/completions", json=payload) as response:
+        async with client.post("v1/completions", json=payload) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {error_message(await response.read())}"
                 return
@@ -131,7 +131,7 @@ async def scrape_metrics(client: aiohttp.ClientSession) -> dict[str, float] | No
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        async with client.get("/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+        async with client.get("metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
             if response.status != 200:
                 return None
             text = await response.text()
@@ -188,6 +188,7 @@ def http_client(base_url: str, api_key: str | None) -> aiohttp.ClientSession:
     """No connection limit (concurrency is the benchmark's to set) and no read timeout (requests may queue long).
     aiohttp, as vLLM's benchmark client uses: its C HTTP parser keeps the client's share of a shared CPU small."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base_url = base_url.rstrip("/") + "/"  # relative paths then join under a path prefix (a proxy's)
     return aiohttp.ClientSession(base_url=base_url, headers=headers, connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=None, connect=30.0), read_bufsize=1 << 20)
 

@@ -29,10 +29,12 @@ class Scheduler:
         # `speculative_max_running` sequences run and none waits; 0 turns it off (the engine sets both).
         self.num_speculative_tokens = 0
         self.speculative_max_running = 0
+        self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
 
     def schedule(self) -> SchedulerOutput:
         self.block_manager.recorder.step += 1
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
+        self._drafts.clear()
         speculate = self._may_speculate()
         for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
             if out.budget == 0:
@@ -76,7 +78,8 @@ class Scheduler:
             if n == 0:
                 break
             if speculate and n == seq.num_uncomputed_tokens == 1 and seq.may_speculate:
-                n += len(self._draft(seq, budget - 1))
+                self._drafts[seq.seq_id] = self._draft(seq, budget - 1)
+                n += len(self._drafts[seq.seq_id])
             budget -= n
             writes.append((seq, Write(seq.seq_id, start, start + n, prefix)))
         return writes
@@ -109,7 +112,7 @@ class Scheduler:
             samplers = [seq] if w.end >= seq.num_tokens else []
             if samplers and group.unforked:
                 samplers += self._fork(group, seq)
-            draft = seq.lookup.propose(seq.token_ids, w.end - seq.num_tokens) if w.end > seq.num_tokens else []
+            draft = self._drafts.get(seq.seq_id, []) if w.end > seq.num_tokens else []
             out.scheduled.append(ScheduledSeq(seq, w.start, w.end - w.start, bm.block_table(seq.seq_id), samplers,
                                               draft))
             out.budget -= w.end - w.start

@@ -5,7 +5,8 @@ first time a block on it is written. On this project's VMs a first touch costs t
 ~2 s per GiB: a 200-request benchmark spent 2-3 s of its minute in the KV write alone. A low-priority thread asks the
 kernel to map the pool (madvise MADV_POPULATE_WRITE, Linux 5.14+; contents untouched) in block order, the order the
 pool hands blocks out, and only `AHEAD_BLOCKS` past the highest block a step has used: mapping all of a 4 GiB pool
-while a server already serves took ~8 s of CPU from the model's threads, for pages most runs never touch.
+while a server already serves took CPU from the model's threads (a benchmark right after start-up ran ~9% slower,
+docs/performance.md) for pages most runs never touch.
 """
 
 from __future__ import annotations
