@@ -65,3 +65,14 @@ def test_only_blocks_ahead_of_use_are_mapped_until_the_wait():
     assert resident_fraction(caches[0][1536:]) == 0.0 and not prefault.done.is_set()
     assert prefault.wait(timeout=60)
     assert resident_fraction(caches[0]) == resident_fraction(caches[1]) == 1.0
+
+
+def test_the_waiting_thread_and_the_background_one_map_each_block_once():
+    """`wait()` maps chunks from the top while the thread maps from the bottom: together every block, none twice."""
+    caches = [torch.empty(1000, 4, 256) for _ in range(3)]
+    prefault = KVPrefault(caches, ahead=0)  # the thread waits for a step until wait() wants the pool
+    assert prefault.wait(timeout=60)
+    if prefault.error:
+        pytest.skip(f"no MADV_POPULATE_WRITE here: {prefault.error}")
+    assert prefault._num_mapped == 1000
+    assert all(resident_fraction(t) == 1.0 for t in caches)

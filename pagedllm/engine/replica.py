@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream, StepObserver, build_off_main_thread
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream, StepObserver, build_serving_engine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,9 +52,7 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 256,
                  observer_factory: Callable[[], StepObserver] | None = None) -> None:
-        from pagedllm.engine.llm_engine import LLMEngine
-
-        llm = build_off_main_thread(lambda: LLMEngine(config))  # only the engine thread's OpenMP pool lives on
+        llm = build_serving_engine(config)
         self.observer = observer_factory() if observer_factory else None
         self.engine = AsyncLLMEngine(llm, max_waiting_requests, observer=self.observer)
         self.info_ = ReplicaInfo(uuid.uuid4().hex, llm.model_name, llm.max_model_len, llm.model_config.vocab_size,

@@ -22,7 +22,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, build_off_main_thread
+from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
 from pagedllm.engine.llm_engine import load_tokenizer, tokenize_prompt
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, PrefixIndex, block_hashes
 from pagedllm.outputs import RequestOutput
@@ -87,9 +87,7 @@ class EngineDeployment:
     """One Serve replica: an engine with its own threads, KV pool and prefix cache."""
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 256) -> None:
-        from pagedllm.engine.llm_engine import LLMEngine
-
-        self.llm = build_off_main_thread(lambda: LLMEngine(config))  # only the engine thread's OpenMP pool lives on
+        self.llm = build_serving_engine(config)
         self.engine = AsyncLLMEngine(self.llm, max_waiting_requests)
         self.started = False
 

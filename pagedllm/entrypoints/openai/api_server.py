@@ -37,7 +37,7 @@ from pagedllm.engine.async_engine import (
     EngineRestartingError,
     QueueFullError,
     RequestStream,
-    build_off_main_thread,
+    build_serving_engine,
 )
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
 from pagedllm.entrypoints.openai import dashboard
@@ -852,7 +852,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_data_parallel_app(args, api_key, limits)
     else:
         config = EngineConfig.from_cli_args(args)
-        engine = build_off_main_thread(functools.partial(LLMEngine, config))
+        engine = build_serving_engine(config)
         names = args.served_model_name or [args.model or engine.model_name]
         app = build_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                         model_path=args.model or engine.model_name, engine_factory=functools.partial(LLMEngine, config),
