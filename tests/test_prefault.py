@@ -76,3 +76,15 @@ def test_the_waiting_thread_and_the_background_one_map_each_block_once():
         pytest.skip(f"no MADV_POPULATE_WRITE here: {prefault.error}")
     assert prefault._num_mapped == 1000
     assert all(resident_fraction(t) == 1.0 for t in caches)
+
+
+def test_a_serving_engine_starts_with_its_whole_pool_mapped(tiny_model_dir):
+    """`pagedllm serve` and the replicas build their engine this way: no request pays a first touch of the pool."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.async_engine import build_serving_engine
+
+    engine = build_serving_engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_memory="48MiB"))
+    assert engine.runner.prefault.done.is_set()
+    if engine.runner.prefault.error:
+        pytest.skip(f"no MADV_POPULATE_WRITE here: {engine.runner.prefault.error}")
+    assert all(resident_fraction(t) == 1.0 for pair in engine.runner.kv_caches for t in pair)
