@@ -20,10 +20,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
@@ -58,7 +62,7 @@ def build_off_main_thread(factory: Callable[[], T]) -> T:
     return result[0]
 
 
-def build_serving_engine(config: Any) -> Any:
+def build_serving_engine(config: EngineConfig) -> LLMEngine:
     """An LLMEngine for a server, built off the main thread, its KV pool mapped before the first request.
 
     Blocks are handed out in the pool's order and freed ones queue behind it (the prefix cache keeps them longest),
