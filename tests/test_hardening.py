@@ -23,6 +23,7 @@ from pagedllm.bench.serve import ServerProcess as Server
 from pagedllm.config import EngineConfig
 from pagedllm.engine.faults import ENV_VAR, FaultInjector
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.limits import SendDeadline
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
@@ -297,6 +298,37 @@ def test_slow_body_gets_408_and_slow_headers_slow_nobody(server: Server) -> None
     slow_body.close()
     slow_headers.close()
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_send_deadline_cancels_a_send_that_waits_too_long_and_no_other():
+    """One timer per stream: sends that each finish in time never trip it, however long the stream lasts; the first
+    send that waits past the timeout cancels the stream's task."""
+    sent: list[float] = []
+
+    async def send(seconds: float) -> None:  # a send that blocks this long, as one to a full socket does
+        await asyncio.sleep(seconds)
+        sent.append(seconds)
+
+    async def stream(delays: list[float]) -> str:
+        deadline = SendDeadline(send, 0.5)
+        try:
+            for d in delays:
+                await deadline.send(d)
+        except asyncio.CancelledError:
+            assert deadline.expired
+            return "expired"
+        finally:
+            deadline.close()
+        assert not deadline.expired
+        return "done"
+
+    async def main() -> tuple[str, str]:
+        quick = await asyncio.create_task(stream([0.02] * 60))  # ~1.2 s in all, each send well inside 0.5 s
+        slow = await asyncio.create_task(stream([0.02, 3.0, 0.02]))
+        return quick, slow
+
+    assert asyncio.run(main()) == ("done", "expired")
+    assert sent == [0.02] * 61  # the slow send never completed, and nothing after it ran
 
 
 def test_a_stream_nobody_reads_is_dropped(server: Server) -> None:

@@ -18,7 +18,7 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def main() -> None:
-    kwargs = dict(arg.split("=", 1) for arg in sys.argv[1:])
+    kwargs = {k: int(v) if v.isdigit() else v for k, v in (arg.split("=", 1) for arg in sys.argv[1:])}
     llm = LLM(None, threads=2, **kwargs)
     requests = sample_requests("sharegpt", llm.get_tokenizer(), 200, 0)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]

@@ -47,10 +47,9 @@ from pagedllm.entrypoints.openai.limits import (
     DEFAULT_STREAM_SEND_TIMEOUT,
     OFF_LOOP_CHARS,
     OFF_LOOP_TOKENS,
-    ClientTooSlow,
     RequestLimitMiddleware,
+    SendDeadline,
     WorkerPool,
-    timed_send,
 )
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import (
@@ -402,11 +401,16 @@ class SSEResponse(StreamingResponse):
         self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = SendDeadline(send, self.send_timeout)
         try:
-            await super().__call__(scope, receive, timed_send(send, self.send_timeout))
-        except ClientTooSlow as e:
-            logger.warning("aborting a stream: %s", e)
+            await super().__call__(scope, receive, deadline.send)
+        except asyncio.CancelledError:
+            if not deadline.expired:
+                raise
+            asyncio.current_task().uncancel()  # our own timer's cancellation, handled here
+            logger.warning("aborting a stream: the client read nothing for %g s", self.send_timeout)
         finally:
+            deadline.close()
             cancel_all(self.streams)
 
 
