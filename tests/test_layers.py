@@ -7,7 +7,9 @@ import torch
 
 from pagedllm.model import kernels, layers
 from pagedllm.model.layers import (
+    BF16_GEMM_MAX_ROWS,
     INT4_MAX_ROWS,
+    Bf16Weight,
     Int4Weight,
     Int8Weight,
     PackedWeight,
@@ -252,6 +254,71 @@ def test_linear_takes_int4_for_small_batches_only(ext) -> None:
     tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
     torch.testing.assert_close(small.float(), by_int4[:INT4_MAX_ROWS], **tol)
     torch.testing.assert_close(large.float(), by_other, **tol)
+
+
+@pytest.mark.parametrize(("rows", "inputs"), [(1, 64), (5, 576), (6, 576), (7, 1536), (13, 576), (64, 576),
+                                            (130, 98)])
+def test_bf16_gemm_equals_the_product(ext, rows: int, inputs: int) -> None:
+    """bf16_gemm sums x @ w.T in fp32 over all of K and rounds once: the bf16 rounding of the fp32 product, except
+    where a sum lands next to a rounding boundary. A row alone gives the same bits as in any batch (each row's sums
+    run in the same order whatever block of rows, or thread, takes it)."""
+    if not ext.bf16_gemm_supported():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(192, inputs, generator=g) * 0.05).bfloat16()  # 3 panels: fewer than the threads want
+    x = torch.randn(rows, inputs, generator=g).bfloat16()
+    weight = Bf16Weight(w, ext)
+    ref = x.float() @ w.float().T
+    out = weight.mm(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 192)
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-5)
+    assert (out != ref.bfloat16()).float().mean() < 0.01
+    for r in range(rows):
+        assert torch.equal(weight.mm(x[r:r + 1]), out[r:r + 1])
+
+
+def test_bf16_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
+    if not ext.bf16_gemm_supported():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    weight = Bf16Weight(torch.zeros(64, 32, dtype=torch.bfloat16), ext)
+    with pytest.raises(RuntimeError, match="columns"):
+        weight.mm(torch.zeros(2, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        weight.mm(torch.zeros(2, 32))
+    with pytest.raises(RuntimeError, match="packed"):
+        ext.bf16_gemm(torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(1, 16, 4, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("shape", "dtype", "ok"), [
+    ((128, 576), torch.bfloat16, True),
+    ((128, 576), torch.float32, False),  # bf16 weights only
+    ((96, 576), torch.bfloat16, False),  # panels of 64 outputs
+    ((128, 575), torch.bfloat16, False),  # pairs of inputs
+])
+def test_bf16_gemm_available(ext, shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
+    w = torch.zeros(shape, dtype=dtype)
+    assert Bf16Weight.available(w, ext) is (ok and ext.bf16_gemm_supported())
+    assert not Bf16Weight.available(w, None)
+
+
+def test_linear_takes_int4_then_the_bf16_kernel_then_onednn(ext) -> None:
+    """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows, its bf16_gemm form up to
+    BF16_GEMM_MAX_ROWS and oneDNN's matmul beyond: give three different weights and see which one answered."""
+    if not (PackedWeight.available(torch.bfloat16) and ext.int4_linear_supported() and ext.bf16_gemm_supported()):
+        pytest.skip("no native bf16 matmul on this CPU")
+    g = torch.Generator().manual_seed(3)
+    q, scale, min_ = random_int4(64, 128, 0)
+    onednn, own = ((torch.randn(64, 128, generator=g) * 0.01).bfloat16() for _ in range(2))
+    weight = PackedWeight(onednn, Int4Weight(q, scale, min_, ext), bf16=Bf16Weight(own, ext))
+    bias = torch.randn(64, generator=g).bfloat16()
+    tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
+    for rows, w in [(INT4_MAX_ROWS, dequantized(q, scale, min_)), (INT4_MAX_ROWS + 1, own),
+                    (BF16_GEMM_MAX_ROWS, own), (BF16_GEMM_MAX_ROWS + 1, onednn)]:
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        answers = [x.float() @ other.float().T + bias.float()
+                   for other in (dequantized(q, scale, min_), own, onednn)]
+        assert min((a - b).abs().mean() for i, a in enumerate(answers) for b in answers[i + 1:]) > 0.1
+        torch.testing.assert_close(linear(x, weight, bias).float(), x.float() @ w.float().T + bias.float(), **tol)
 
 
 @pytest.mark.parametrize(("shape", "dtype", "fp16", "ok"), [

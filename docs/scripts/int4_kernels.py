@@ -1,6 +1,6 @@
 """The default model's 120 layer matmuls (30 layers x qkv, o, gate_up, down, each its own random weights, so they come
-from memory as in a real step) at M rows: packed bf16 (oneDNN), torch's int4 kernel, and pagedllm's int4 kernel.
-Best of 9 ms per pass over all 120, the three interleaved:
+from memory as in a real step) at M rows: packed bf16 (oneDNN), pagedllm's bf16 kernel (Bf16Weight), torch's int4
+kernel, and pagedllm's int4 kernel. Best of 9 ms per pass over all 120, the four interleaved:
     python docs/scripts/int4_kernels.py 1 2 4 8 12 16 24 32 64
 """
 
@@ -10,7 +10,7 @@ import time
 import torch
 
 from pagedllm.model import kernels
-from pagedllm.model.layers import Int4Weight, PackedWeight, linear
+from pagedllm.model.layers import Bf16Weight, Int4Weight, PackedWeight, linear
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -25,17 +25,17 @@ def layer(rows: int, cols: int) -> dict:
     torch_sz = torch.stack([scale, min_ + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()  # its (q - 8) form
     torch_q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
     ours = Int4Weight(q, scale, min_, ext)
-    packed = PackedWeight((q.float().view(rows, cols // 32, 32) * scale[..., None] + min_[..., None])
-                          .view(rows, cols).bfloat16())
-    return {"bf16": lambda x: linear(x, packed),
+    plain = (q.float().view(rows, cols // 32, 32) * scale[..., None] + min_[..., None]).view(rows, cols).bfloat16()
+    packed, own = PackedWeight(plain), Bf16Weight(plain, ext)  # oneDNN (no bf16 form given), pagedllm's bf16_gemm
+    return {"bf16": lambda x: linear(x, packed), "pagedllm bf16": own.mm,
             "torch int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_q, 32, torch_sz),
             "pagedllm int4": ours.mm}
 
 
 weights = [[layer(*shape) for shape in SHAPES] for _ in range(30)]
-modes = ("bf16", "torch int4", "pagedllm int4")
-print("| rows M | " + " | ".join(f"{m} ms" for m in modes) + " | torch / pagedllm |")
-print("|---:|" + "---:|" * (len(modes) + 1))
+modes = ("bf16", "pagedllm bf16", "torch int4", "pagedllm int4")
+print("| rows M | " + " | ".join(f"{m} ms" for m in modes) + " | oneDNN / pagedllm bf16 | torch / pagedllm int4 |")
+print("|---:|" + "---:|" * (len(modes) + 2))
 for m in map(int, sys.argv[1:]):
     xs = {cols: torch.randn(m, cols).bfloat16() for cols in (576, 1536)}
     best = dict.fromkeys(modes, float("inf"))
@@ -47,4 +47,5 @@ for m in map(int, sys.argv[1:]):
                     fns[mode](xs[cols])
             best[mode] = min(best[mode], time.perf_counter() - start)
     cells = " | ".join(f"{best[mode] * 1e3:.1f}" for mode in modes)
-    print(f"| {m} | {cells} | {best['torch int4'] / best['pagedllm int4']:.2f} |")
+    ratios = f"{best['bf16'] / best['pagedllm bf16']:.2f} | {best['torch int4'] / best['pagedllm int4']:.2f}"
+    print(f"| {m} | {cells} | {ratios} |")

@@ -9,11 +9,13 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of the bf16 matmul: a small batch is
-# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. In the engine the int4 kernel is
-# 8-14% ahead at 16 rows and even with bf16, within run-to-run noise, from 24 to 64 (docs/performance.md:
-# docs/scripts/int4_rows.py, int4_kernels.py).
-INT4_MAX_ROWS = 32
+# Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of a bf16 matmul: a small batch is
+# bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From ~12 rows bf16_gemm (below) is as
+# fast, and faster beyond (docs/performance.md: docs/scripts/int4_kernels.py).
+INT4_MAX_ROWS = 8
+# Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
+# instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); oneDNN leads on big steps.
+BF16_GEMM_MAX_ROWS = 256
 # Output columns per torch._int_mm call (Int8Weight without its kernel): 4 MB of int32 products at 256 rows, which the
 # caches hold.
 INT8_COLUMN_BLOCK = 4096
@@ -133,17 +135,48 @@ class Int8Weight:
         return out
 
 
+class Bf16Weight:
+    """A bf16 weight [out, in] packed once for the C++ bf16_gemm (csrc/bf16_gemm.cpp): panels of 64 output columns,
+    each one contiguous stream of k-pairs in vdpbf16ps's lane order. A decode step reads each layer's weights from
+    memory once, and oneDNN's packed matmul lost ~10% of its time to those first reads."""
+
+    PANEL = 64
+
+    def __init__(self, plain: torch.Tensor, ext: ModuleType) -> None:
+        self.packed = self.pack(plain)
+        self.ext = ext
+
+    @classmethod
+    def available(cls, plain: torch.Tensor, ext: ModuleType | None) -> bool:
+        """The kernel runs bf16 on AVX512-BF16, over whole panels of output columns and pairs of inputs."""
+        rows, cols = plain.shape
+        return (ext is not None and ext.bf16_gemm_supported() and plain.dtype == torch.bfloat16
+                and rows % cls.PANEL == 0 and cols % 2 == 0)
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N / 64, K / 2, 4, 32]: element 2i + j of [p, kp, c] is w[64p + 16c + i, 2kp + j]."""
+        n, k = w.shape
+        return w.view(n // cls.PANEL, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(n // cls.PANEL, k // 2, 4, 32)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ext.bf16_gemm(x.contiguous(), self.packed)
+
+
 class PackedWeight:
     """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
     repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
     (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
     A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows; an int8 form, when given,
-    serves every other batch."""
+    serves every other batch. A bf16 form (Bf16Weight), when given, serves the other batches of up to
+    BF16_GEMM_MAX_ROWS rows."""
 
-    def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None) -> None:
+    def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
+                 bf16: Bf16Weight | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.int4 = int4
         self.int8 = int8
+        self.bf16 = bf16
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -161,6 +194,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
             return out if bias is None else out.add_(bias)
         if weight.int8 is not None:
             return weight.int8.mm(x, bias)
+        if weight.bf16 is not None and x.shape[0] <= BF16_GEMM_MAX_ROWS:
+            out = weight.bf16.mm(x)
+            return out if bias is None else out.add_(bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

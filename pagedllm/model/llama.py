@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from pagedllm.model import kernels
 from pagedllm.model.attention import paged_attention, write_kv
-from pagedllm.model.layers import Int4Weight, Int8Weight, PackedWeight, RotaryEmbedding, add_rms_norm, linear, swiglu
+from pagedllm.model.layers import (
+    Bf16Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    RotaryEmbedding,
+    add_rms_norm,
+    linear,
+    swiglu,
+)
 from pagedllm.model.loader import ModelConfig, Q4Weight
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 
@@ -99,7 +108,10 @@ class LlamaModel:
 
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
-        return PackedWeight(plain, int4, Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None)
+        int8 = Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None
+        use_bf16 = int8 is None and kind != "lm_head" and Bf16Weight.available(plain, self.ext)
+        bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
+        return PackedWeight(plain, int4, int8, bf16)
 
     @property
     def num_int4_matmuls(self) -> int:

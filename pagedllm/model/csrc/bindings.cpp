@@ -22,6 +22,8 @@ void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const 
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out);
 bool int8_gemm_supported();
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
+bool bf16_gemm_supported();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -39,5 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
   m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) for an int8 "
         "weight packed for VNNI (Int8Weight.pack); the raw int32 sums when out is int32", nogil);
+  m.def("bf16_gemm", &bf16_gemm, "x @ W.T in bf16 for a weight packed in panels of 64 columns (Bf16Weight.pack)",
+        nogil);
+  m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this build has bf16_gemm's instructions");
   m.def("int8_gemm_supported", &int8_gemm_supported, "Whether this build has int8_gemm's instructions");
 }

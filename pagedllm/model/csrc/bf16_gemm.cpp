@@ -1,0 +1,118 @@
+// x @ W.T in bf16 for the layer matmuls of decode-sized steps (tens of rows), where oneDNN's packed matmul spends
+// ~10% of its time on the first reads of each weight from memory: a decode step reads every layer's weights once.
+// Here the weight is packed once at load into panels of 64 output columns that are each one contiguous stream, so
+// the hardware prefetchers run ahead from the first cache line, and the next item's panel is prefetched while the
+// current one is computed.
+//
+// Layout (Bf16Weight.pack): packed [P, K/2, 4, 32] bf16: element 2i + j of [p, kp, c] = W[64p + 16c + i, 2kp + j]
+// (i < 16, j < 2): one 64-byte load is one tile's k-pair in vdpbf16ps's lane order.
+//
+// Register blocking: 6 rows x 4 tiles of fp32 sums (24 zmm) and the 4 weight vectors; the inner loop is 4 loads and
+// 24 vdpbf16ps whose activation pair is broadcast from memory ({1to16}). Inline assembly, as int8_gemm.cpp does for
+// vpdpbusd: GCC 12 copies the accumulator around every _mm512_dpbf16_ps and broadcasts in a separate instruction.
+// Sums are fp32 over all of K (vdpbf16ps: products of bf16 exact in fp32, round to nearest even), rounded to bf16
+// once into the output.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6;
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kSupported = true;
+
+inline void dpbf16_bcst(__m512& acc, __m512 w, const uint16_t* x2) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x2)));
+}
+
+// R rows of x (row stride K) against one panel: sums in registers over all of K, then rounded into out.
+template <int R>
+inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::BFloat16* out, int64_t ldo) {
+  __m512 acc[R][kTiles];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t KP = K / 2;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const uint16_t* wk = panel + kp * kPanel * 2;
+    __m512 w[kTiles];
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c) w[c] = _mm512_loadu_ps(wk + c * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < kTiles; ++c) dpbf16_bcst(acc[r][c], w[c], x + r * K + 2 * kp);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kTiles; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + c * kTile),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+// The last n < kRows rows of a block.
+template <int R>
+inline void panel_tail(int64_t n, const uint16_t* panel, const uint16_t* x, int64_t K, at::BFloat16* out,
+                       int64_t ldo) {
+  if constexpr (R >= 1) {
+    if (n == R) return panel_rows<R>(panel, x, K, out, ldo);
+    panel_tail<R - 1>(n, panel, x, K, out, ldo);
+  }
+}
+
+inline void prefetch_panel(const uint16_t* panel, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(panel);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+#else
+constexpr bool kSupported = false;
+#endif
+
+}  // namespace
+
+bool bf16_gemm_supported() { return kSupported; }
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(kSupported, "bf16_gemm needs AVX512-BF16 (this build has no such instructions)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous bfloat16 CPU matrix [M, K]");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTiles && packed.size(3) == 32,
+              "packed must be a contiguous bfloat16 [N/64, K/2, 4, 32]");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), N = P * kPanel;
+  TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " columns, the weight ", packed.size(1) * 2);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* pk = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t panel_elems = K * kPanel, panel_bytes = panel_elems * 2;
+  // Blocks of rows only when there are too few panels to share among the threads (each block reads its panel again,
+  // from the cache the first one left it in).
+  const int64_t threads = at::get_num_threads();
+  int64_t blocks = 1;
+  while (blocks * P < 4 * threads && M / (2 * blocks) >= kRows) blocks *= 2;
+  const int64_t row_block = (M + blocks - 1) / blocks;
+  at::parallel_for(0, blocks * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / blocks, rb = i % blocks;
+      const uint16_t* panel = pk + p * panel_elems;
+      if (rb == 0 && i + blocks < i1) prefetch_panel(panel + panel_elems, std::min<int64_t>(panel_bytes, 8192));
+      const int64_t r1 = std::min(M, (rb + 1) * row_block);
+      int64_t r = rb * row_block;
+      for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, xp + r * K, K, op + r * N + p * kPanel, N);
+      if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, xp + r * K, K, op + r * N + p * kPanel, N);
+    }
+  });
+#endif
+  return out;
+}
