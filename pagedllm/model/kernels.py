@@ -49,6 +49,11 @@ def build_error() -> str | None:
     return _ext_error
 
 
+def cpu_has_amx() -> bool:
+    """AMX tiles: oneDNN's bf16 matmuls run on them, several times faster than any AVX-512 kernel here."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:

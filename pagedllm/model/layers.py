@@ -9,6 +9,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model import kernels
+
 # Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of a bf16 matmul: a small batch is
 # bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From ~12 rows bf16_gemm (below) is as
 # fast, and faster beyond (docs/performance.md: docs/scripts/int4_kernels.py).
@@ -148,9 +150,11 @@ class Bf16Weight:
 
     @classmethod
     def available(cls, plain: torch.Tensor, ext: ModuleType | None) -> bool:
-        """The kernel runs bf16 on AVX512-BF16, over whole panels of output columns and pairs of inputs."""
+        """The kernel runs bf16 on AVX512-BF16, over whole panels of output columns and pairs of inputs; not where the
+        CPU has AMX, whose tiles oneDNN's matmul uses (not measured against it: no such machine this session)."""
         rows, cols = plain.shape
-        return (ext is not None and ext.bf16_gemm_supported() and plain.dtype == torch.bfloat16
+        return (ext is not None and ext.bf16_gemm_supported() and not kernels.cpu_has_amx()
+                and plain.dtype == torch.bfloat16
                 and rows % cls.PANEL == 0 and cols % 2 == 0)
 
     @classmethod
