@@ -9,6 +9,7 @@ from pagedllm.model import kernels, layers
 from pagedllm.model.layers import (
     BF16_GEMM_MAX_ROWS,
     INT4_MAX_ROWS,
+    INT4_MAX_ROWS_WITHOUT_BF16_GEMM,
     Bf16Weight,
     Int4Weight,
     Int8Weight,
@@ -238,21 +239,22 @@ def test_int4_bad_input_is_an_error_not_a_crash(ext) -> None:
 
 
 def test_linear_takes_int4_for_small_batches_only(ext) -> None:
-    """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows and its bf16 matmul beyond: give the two
-    different weights and see which one answered."""
+    """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS_WITHOUT_BF16_GEMM rows when it has no bf16_gemm
+    form, and oneDNN's bf16 matmul beyond: give the two different weights and see which one answered."""
     if not (PackedWeight.available(torch.bfloat16) and ext.int4_linear_supported()):
         pytest.skip("no native bf16 matmul on this CPU")
+    int4_rows = INT4_MAX_ROWS_WITHOUT_BF16_GEMM
     q, scale, min_ = random_int4(64, 128, 0)
     other = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).bfloat16() * 0.01
     weight = PackedWeight(other, Int4Weight(q, scale, min_, ext))
     bias = torch.randn(64).bfloat16()
-    x = torch.randn(INT4_MAX_ROWS + 1, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    small, large = linear(x[:INT4_MAX_ROWS], weight, bias), linear(x, weight, bias)
+    x = torch.randn(int4_rows + 1, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    small, large = linear(x[:int4_rows], weight, bias), linear(x, weight, bias)
     by_int4 = x.float() @ dequantized(q, scale, min_).T + bias.float()
     by_other = x.float() @ other.float().T + bias.float()
     assert (by_int4 - by_other).abs().mean() > 0.1  # the two answers are far apart
     tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
-    torch.testing.assert_close(small.float(), by_int4[:INT4_MAX_ROWS], **tol)
+    torch.testing.assert_close(small.float(), by_int4[:int4_rows], **tol)
     torch.testing.assert_close(large.float(), by_other, **tol)
 
 

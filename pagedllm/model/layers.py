@@ -15,6 +15,9 @@ from pagedllm.model import kernels
 # bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From ~12 rows bf16_gemm (below) is as
 # fast, and faster beyond (docs/performance.md: docs/scripts/int4_kernels.py).
 INT4_MAX_ROWS = 8
+# ... and up to this many where the weight has no bf16_gemm form (no AVX512-BF16 kernel, or an AMX CPU): against
+# oneDNN's matmul the int4 kernel held its own up to 32 rows (docs/scripts/int4_rows.py).
+INT4_MAX_ROWS_WITHOUT_BF16_GEMM = 32
 # Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
 # instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); oneDNN leads on big steps.
 BF16_GEMM_MAX_ROWS = 256
@@ -171,7 +174,8 @@ class PackedWeight:
     """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
     repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
     (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
-    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows; an int8 form, when given,
+    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows (INT4_MAX_ROWS_WITHOUT_BF16_GEMM
+    without a bf16 form); an int8 form, when given,
     serves every other batch. A bf16 form (Bf16Weight), when given, serves the other batches of up to
     BF16_GEMM_MAX_ROWS rows."""
 
@@ -193,7 +197,8 @@ class PackedWeight:
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), on the packed weight when there is one."""
     if isinstance(weight, PackedWeight):
-        if weight.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        int4_rows = INT4_MAX_ROWS if weight.bf16 is not None else INT4_MAX_ROWS_WITHOUT_BF16_GEMM
+        if weight.int4 is not None and x.shape[0] <= int4_rows:
             out = weight.int4.mm(x)
             return out if bias is None else out.add_(bias)
         if weight.int8 is not None:
