@@ -3,6 +3,7 @@ processes just load it. Without a compiler everything still runs, on the slower 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import threading
@@ -49,6 +50,7 @@ def build_error() -> str | None:
     return _ext_error
 
 
+@functools.cache
 def cpu_has_amx() -> bool:
     """AMX tiles: oneDNN's bf16 matmuls run on them, several times faster than any AVX-512 kernel here."""
     return "amx_bf16" in _cpu_flags()

@@ -19,7 +19,8 @@ INT4_MAX_ROWS = 8
 # oneDNN's matmul the int4 kernel held its own up to 32 rows (docs/scripts/int4_rows.py).
 INT4_MAX_ROWS_WITHOUT_BF16_GEMM = 32
 # Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
-# instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); oneDNN leads on big steps.
+# instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); from ~384 rows the two are
+# within 3%, and oneDNN keeps the big (prefill) steps it has always run.
 BF16_GEMM_MAX_ROWS = 256
 # Output columns per torch._int_mm call (Int8Weight without its kernel): 4 MB of int32 products at 256 rows, which the
 # caches hold.
@@ -143,7 +144,8 @@ class Int8Weight:
 class Bf16Weight:
     """A bf16 weight [out, in] packed once for the C++ bf16_gemm (csrc/bf16_gemm.cpp): panels of 64 output columns,
     each one contiguous stream of k-pairs in vdpbf16ps's lane order. A decode step reads each layer's weights from
-    memory once, and oneDNN's packed matmul lost ~10% of its time to those first reads."""
+    memory once, and oneDNN's packed matmul lost ~12% of its time to those first reads at 64 rows
+    (docs/scripts/linear_cold_weights.py)."""
 
     PANEL = 64
 

@@ -1,5 +1,6 @@
 // x @ W.T in bf16 for the layer matmuls of decode-sized steps (tens of rows), where oneDNN's packed matmul spends
-// ~10% of its time on the first reads of each weight from memory: a decode step reads every layer's weights once.
+// ~12% of its time at 64 rows on the first reads of each weight from memory (docs/scripts/linear_cold_weights.py):
+// a decode step reads every layer's weights once.
 // Here the weight is packed once at load into panels of 64 output columns that are each one contiguous stream, so
 // the hardware prefetchers run ahead from the first cache line, and the next item's panel is prefetched while the
 // current one is computed.
