@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, TextIO
+from typing import Annotated, Any, Literal, TextIO
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 TRACE_FORMAT = "pagedllm-kv-trace/1"
 
@@ -74,14 +76,97 @@ class TraceRecorder:
             self.file.close()
 
 
+MAX_TRACE_BLOCKS = 1 << 22  # a pool larger than any this engine builds; the page allocates one cell per block
+Count = Annotated[int, Field(strict=True, ge=0)]
+Name = Annotated[str, Field(max_length=4096)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TraceHeader(_Strict):
+    format: Literal["pagedllm-kv-trace/1"]
+    model: Name | None = None
+
+
+class TraceSample(_Strict):
+    index: Count
+    status: Literal["waiting", "running", "finished"]
+    tokens_stored: Count
+    slots_held: Count
+    output_tokens: Count
+    block_table: list[Count]
+
+
+class TraceRequest(_Strict):
+    request_id: Name
+    status: Literal["waiting", "running", "preempted", "finished"]
+    prompt_tokens: Count
+    n: Count
+    prompt: Name = ""
+    samples: list[TraceSample]
+
+
+class TraceEvent(_Strict):
+    index: Count
+    step: Count
+    kind: Literal["cow", "fork", "preempt", "prefix_hit", "evict", "reset"]
+    request_id: Name | None = None
+    blocks: list[Count]
+    tokens: Count = 0
+
+
+class TraceFrame(_Strict):
+    """What the replay page reads of a frame, with the types and ranges it may trust (it renders them as HTML)."""
+
+    full: bool
+    step: Count
+    time: float = Field(allow_inf_nan=False)
+    num_blocks: Annotated[int, Field(strict=True, ge=1, le=MAX_TRACE_BLOCKS)]
+    block_size: Annotated[int, Field(strict=True, ge=1)]
+    kv_policy: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,32}$")]
+    blocks: list[Count]
+    requests: list[TraceRequest]
+    counters: dict[str, Count]
+    events: list[TraceEvent]
+
+    @model_validator(mode="after")
+    def blocks_in_the_pool(self) -> TraceFrame:
+        if len(self.blocks) % 3:
+            raise ValueError("blocks must be (block id, state, ref count) triples")
+        if any(b >= self.num_blocks for b in self.blocks[0::3]) or any(s > 4 for s in self.blocks[1::3]):
+            raise ValueError(f"a block id is not below num_blocks ({self.num_blocks}) or a state is not 0-4")
+        return self
+
+
 def read_trace(path: str) -> tuple[dict[str, Any], list[str]]:
-    """A trace's header and its frames (as JSON text, for the player); raises ValueError if it is not a trace."""
-    with open(path) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    try:
-        header = json.loads(lines[0]) if lines else {}
-    except ValueError:
-        header = {}
-    if header.get("format") != TRACE_FORMAT:
+    """A trace's header and its frames (as JSON text, for the player). Raises ValueError naming the first line that
+    is not what `bench throughput --trace` writes: the page renders a trace's strings, so it gets only checked ones."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f.read().splitlines(), 1) if line.strip()]
+    if not lines or not _is_header(lines[0][1]):
         raise ValueError(f"{path} is not a pagedllm KV trace (its first line should say format {TRACE_FORMAT!r})")
-    return header, lines[1:]
+    header = _checked(TraceHeader, path, *lines[0])
+    for n, line in lines[1:]:
+        _checked(TraceFrame, path, n, line)
+    return header, [line for _, line in lines[1:]]
+
+
+def _is_header(line: str) -> bool:
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and first.get("format") == TRACE_FORMAT
+
+
+def _checked(model: type[BaseModel], path: str, number: int, line: str) -> dict[str, Any]:
+    try:
+        return model.model_validate_json(line).model_dump()
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the line"
+        hint = " (the trace looks cut short: was its run stopped while writing?)" if first["type"] == "json_invalid" \
+            else ""
+        raise ValueError(f"{path}, line {number}: {where}: {first['msg']}{hint}; not replayed") from None

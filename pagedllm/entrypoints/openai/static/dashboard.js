@@ -347,16 +347,16 @@ function drawRequests() {
   for (const r of S.requests) {
     const samples = r.samples.map((s) => {
       const frac = s.slots_held ? Math.min(1, s.tokens_stored / s.slots_held) : 0;
-      const name = r.n > 1 ? `#${s.index} ` : "";
+      const name = r.n > 1 ? `#${esc(s.index)} ` : "";
       const state = s.status === "finished" ? ` <span class="muted">finished</span>` : "";
       return `<div class="sample">${name}<span class="bar"><i style="width:${(100 * frac).toFixed(1)}%"></i></span>
-        <span>${s.tokens_stored} / ${s.slots_held}</span><span class="muted">· ${s.output_tokens} out</span>${state}
-        <span class="table-ids" title="${esc(s.block_table.join(" "))}">${s.block_table.length ? "[" + tableText(s.block_table) + "]" : ""}</span></div>`;
+        <span>${esc(s.tokens_stored)} / ${esc(s.slots_held)}</span><span class="muted">· ${esc(s.output_tokens)} out</span>${state}
+        <span class="table-ids" title="${esc(s.block_table.join(" "))}">${s.block_table.length ? "[" + esc(tableText(s.block_table)) + "]" : ""}</span></div>`;
     }).join("");
     const sel = r.request_id === S.selected ? " selected" : "";
     rows.push(`<tr class="req${sel}" data-id="${esc(r.request_id)}"><td class="id" title="${esc(r.request_id)}">${esc(short(r.request_id))}</td>
-      <td><span class="status st-${r.status}">${r.status}</span></td>
-      <td class="prompt" title="${esc(r.prompt)}"><span class="muted">${r.prompt_tokens} tok${r.n > 1 ? ` · n=${r.n}` : ""} ·</span>
+      <td><span class="status st-${esc(r.status)}">${esc(r.status)}</span></td>
+      <td class="prompt" title="${esc(r.prompt)}"><span class="muted">${esc(r.prompt_tokens)} tok${r.n > 1 ? ` · n=${esc(r.n)}` : ""} ·</span>
         ${esc(r.prompt) || '<span class="muted">–</span>'}</td>
       <td>${samples}</td></tr>`);
   }
@@ -378,7 +378,7 @@ function drawEvents() {
     const text = count > 1 && e.kind === "evict"
       ? `evicted the cached prefixes of ${count} blocks: ${blocks.slice(0, 12).join(" ")}${count > 12 ? " …" : ""}`
       : (EVENT_TEXT[e.kind] || ((x) => x.kind))(e) + (count > 1 ? ` (×${count})` : "");
-    items.push(`<li title="${esc(text)}"><span class="step">step ${e.step}</span><span class="ev ev-${e.kind}">${e.kind}</span> ${esc(text)}${who}</li>`);
+    items.push(`<li title="${esc(text)}"><span class="step">step ${esc(e.step)}</span><span class="ev ev-${esc(e.kind)}">${esc(e.kind)}</span> ${esc(text)}${who}</li>`);
   }
   $("events").innerHTML = items.join("") || `<li class="muted">no events yet</li>`;
 }
