@@ -1,0 +1,147 @@
+"""How many threads the model's matmuls and kernels use: the CPUs this process may run on (its affinity and a
+cgroup's CPU quota), less the cores other processes are taking, re-read while the engine runs.
+
+OpenMP splits every matmul evenly across its threads and waits at a barrier for the last one: when another process
+holds one of two cores, the thread that shares it arrives a scheduler slice late at every barrier, and a step took
+~10x as long as it did on one thread (docs/performance.md, "Sharing the CPU"). So the governor counts the CPU time
+others used on our CPUs over the last second (/proc/stat minus our own) and runs one thread fewer per core they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("pagedllm.model.threads")
+CGROUP = Path("/sys/fs/cgroup")
+PERIOD_S = 1.0  # how often the governor looks at the CPUs
+# A core counts as taken when others used at least this much of one over the last period: below it, the straggler's
+# waits cost less than the thread's work gives (docs/scripts/cpu_noise.py, measured on the 2-vCPU machines).
+TAKEN_CORE = 0.5
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """The CPUs this process may use, and why: `usable` = min(affinity, the cgroup quota rounded down, >= 1)."""
+
+    usable: int
+    affinity: int
+    quota: float | None  # cores, from cpu.max (v2) or cpu.cfs_quota_us / cpu.cfs_period_us (v1); None: no quota
+
+    def describe(self) -> str:
+        quota = "no CPU quota" if self.quota is None else f"a CPU quota of {self.quota:g} cores"
+        return f"{self.usable} usable CPUs ({self.affinity} in this process's affinity, {quota})"
+
+
+def cpu_budget() -> CpuBudget:
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    usable = len(affinity) if quota is None else max(1, min(len(affinity), math.floor(quota)))
+    return CpuBudget(usable, len(affinity), quota)
+
+
+def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup in cores, or None. Containers mount their own cgroup at the root."""
+    for folder in (root, *_own_cgroup_folders(root)):
+        quota = _read_quota_v2(folder / "cpu.max") or _read_quota_v1(folder / "cpu")
+        if quota is not None:
+            return quota
+    return None
+
+
+def _own_cgroup_folders(root: Path) -> list[Path]:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    return [root / line.split(":", 2)[2].lstrip("/") for line in lines if line.startswith("0::/") and len(line) > 4]
+
+
+def _read_quota_v2(path: Path) -> float | None:
+    try:
+        limit, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) / int(period)
+
+
+def _read_quota_v1(folder: Path) -> float | None:
+    try:
+        limit = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit <= 0 or period <= 0 else limit / period
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds at one moment: busy time of our CPUs (all processes) and of this process, and the wall clock."""
+
+    wall: float
+    busy: float
+    ours: float
+
+
+def read_cpu_sample(cpus: frozenset[int] | None = None) -> CpuSample | None:
+    """From /proc/stat (clock ticks) and os.times(); None where there is no /proc."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    for line in lines:
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+            continue
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in values[:8])
+        busy += user + nice + system + irq + softirq + steal
+    t = os.times()
+    return CpuSample(time.monotonic(), busy / ticks, t.user + t.system)
+
+
+class ThreadGovernor:
+    """Sets the model's thread count to the usable CPUs less the cores others hold, once a `period`; logs changes.
+    Fixed (`--threads N`) engines have none."""
+
+    def __init__(self, budget: CpuBudget, set_threads: Callable[[int], None],
+                 read: Callable[[], CpuSample | None] | None = None, period: float = PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self.budget, self.set_threads, self.period, self.clock = budget, set_threads, period, clock
+        self.read = read or (lambda: read_cpu_sample(cpus))
+        self.threads = budget.usable
+        self.last = self.read()
+        self.next_check = clock() + period
+        set_threads(self.threads)
+
+    def tick(self) -> None:
+        """Between steps: cheap unless a period has passed."""
+        if self.clock() < self.next_check:
+            return
+        self.next_check = self.clock() + self.period
+        sample = self.read()
+        if sample is None or self.last is None or sample.wall <= self.last.wall:
+            self.last = sample
+            return
+        others_cpu = (sample.busy - self.last.busy) - (sample.ours - self.last.ours)
+        others = max(0.0, others_cpu) / (sample.wall - self.last.wall)
+        self.last = sample
+        self.apply(self.threads_for(others), others)
+
+    def threads_for(self, others: float) -> int:
+        """One thread fewer per core others hold (TAKEN_CORE of it or more), never fewer than one."""
+        return max(1, self.budget.usable - math.floor(others + 1 - TAKEN_CORE))
+
+    def apply(self, threads: int, others: float) -> None:
+        if threads != self.threads:
+            logger.info("threads %d -> %d: other processes used %.1f of the %d usable CPUs over the last %g s",
+                        self.threads, threads, others, self.budget.usable, self.period)
+            self.threads = threads
+            self.set_threads(threads)
