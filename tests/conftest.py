@@ -46,6 +46,7 @@ def make_tiny_hf_model(path: str, architecture: str = "LlamaForCausalLM", **over
 
     config_class = {
         "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
     }
     kwargs = dict(

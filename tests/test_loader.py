@@ -142,11 +142,11 @@ def test_gguf_equals_hf(tiny_gguf_path, tiny_model_dir):
 
 
 def test_gguf_permutation_roundtrip():
-    from pagedllm.model.loader import _unpermute_rows
+    from pagedllm.model.loader.gguf import unpermute_rows
 
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
     assert not np.array_equal(permute_rows(w, 4), w)
-    assert np.array_equal(_unpermute_rows(permute_rows(w, 4), 4), w)
+    assert np.array_equal(unpermute_rows(permute_rows(w, 4), 4), w)
 
 
 def test_gguf_llama3_rope_from_rope_freqs(tiny_model_dir, tmp_path):

@@ -16,9 +16,10 @@ from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
-from pagedllm.model.llama import AttentionMetadata, LlamaModel
+from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import ModelConfig, load_model
 from pagedllm.model.prefault import KVPrefault
+from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -49,7 +50,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: torch.dty
 class ModelRunner:
     """Owns the model, the KV cache tensors and the random generators; knows nothing of policy."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: Collection[int],
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: Collection[int],
                  seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         c = model.config
         self.model = model
@@ -87,7 +88,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
+        build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
+        model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
