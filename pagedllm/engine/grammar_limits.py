@@ -201,8 +201,8 @@ def check_repeats(regex: str, what: str) -> None:
 
 # ---- Lark / GBNF grammars -----------------------------------------------------------------------------------
 _RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:(?![:=])", re.M)
-_LITERALS = re.compile(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imsxlu]*|%json[ \t]*\{.*?^\}|#[^\n]*|//[^\n]*',
-                       re.M | re.S)
+_LITERALS = re.compile(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imsxlu]*|#[^\n]*|//[^\n]*')
+_JSON_RULE = re.compile(r"%json\s*")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -210,6 +210,8 @@ def check_lark(lark: str) -> None:
     """Rule count, the longest chain of rule references, and counted repetitions of a Lark grammar (GBNF converted
     to Lark first) within the limits."""
     check_repeats(lark, "the grammar")
+    for schema in _json_bodies(lark):  # `%json {...}`: a schema inside the grammar (forced tool calls use them)
+        check_schema(schema)
     bare = _LITERALS.sub(" ", lark)
     starts = list(_RULE.finditer(bare))
     if len(starts) > MAX_RULES:
@@ -221,6 +223,15 @@ def check_lark(lark: str) -> None:
     nodes = {name: _Rule(name) for name in refs}
     message = f"the grammar chains rules deeper than the limit of {MAX_RULE_DEPTH} (a rule that uses a rule ...)"
     longest_path(nodes.values(), lambda rule: (nodes[r] for r in refs[rule.name]), MAX_RULE_DEPTH, message)
+
+
+def _json_bodies(lark: str) -> Iterator[Any]:
+    decoder = json.JSONDecoder()
+    for match in _JSON_RULE.finditer(lark):
+        try:
+            yield decoder.raw_decode(lark, match.end())[0]
+        except (ValueError, RecursionError):
+            continue  # llguidance refuses it (its parser stops at 128 levels)
 
 
 class _Rule:
