@@ -159,13 +159,17 @@ def _compile(llg: object, tokenizer: object, grammar: str, libc: ctypes.CDLL) ->
         matcher.compute_bitmask()
     reply = {"error": matcher.get_error()[:ERROR_CHARS] if matcher.is_error() else "",
              "seconds": time.perf_counter() - start, "bytes": max(_heap_bytes(libc) - before, 0)}
-    del matcher
-    libc.malloc_trim(0)
     return reply
 
 
-def _compile_into(reply: dict, llg: object, tokenizer: object, grammar: str, libc: ctypes.CDLL) -> None:
-    reply.update(_compile(llg, tokenizer, grammar, libc))
+def _serve(llg: object, tokenizer: object, libc: ctypes.CDLL) -> None:
+    """Answer trials until stdin closes; runs on the one thread with the small stack."""
+    out = sys.stdout.buffer
+    out.write(b'{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin.buffer:
+        out.write(json.dumps(_compile(llg, tokenizer, json.loads(line)["grammar"], libc)).encode() + b"\n")
+        out.flush()
 
 
 def main() -> None:
@@ -181,17 +185,9 @@ def main() -> None:
     # holds is measured exactly; this bound only stops a runaway compile before it takes the machine's memory).
     budget = _vm_bytes() + 2 * setup["stack_bytes"] + 4 * setup["memory_limit"]
     resource.setrlimit(resource.RLIMIT_AS, (budget, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    out = sys.stdout.buffer
-    out.write(b'{"ready": true}\n')
-    out.flush()
-    for line in sys.stdin.buffer:
-        reply: dict = {}
-        worker = threading.Thread(target=_compile_into, args=(reply, llg, tokenizer, json.loads(line)["grammar"], libc))
-        worker.start()
-        worker.join()
-        out.write(json.dumps(reply or {"error": "the grammar compiler raised", "seconds": 0, "bytes": 0}).encode()
-                  + b"\n")
-        out.flush()
+    server = threading.Thread(target=_serve, args=(llg, tokenizer, libc))
+    server.start()
+    server.join()
 
 
 if __name__ == "__main__":

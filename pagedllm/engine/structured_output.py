@@ -8,6 +8,7 @@ JSON strings in our tests; docs/structured-outputs.md has the measurements.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -100,7 +101,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "choice":
         if len(spec.choice) > MAX_CHOICES:
             raise InvalidRequestError(f"choice has {len(spec.choice):,} entries, over the limit of {MAX_CHOICES:,}")
-        text = json.dumps(spec.choice)
+        text = json.dumps(spec.choice, ensure_ascii=False)
         check_size(text, "choice list")
         return llg.grammar_from("choice", text)
     check_size(spec.grammar, "grammar")
@@ -119,7 +120,7 @@ class CompiledGrammar:
     grammar: str
     matcher: llg.LLMatcher
     compile_s: float
-    bytes: int = 0  # what it holds, as the worker measured it (the cache's budget counts these)
+    bytes: int = 0  # what it holds (the worker's measure, plus its text): the cache's budget counts these
 
 
 class StructuredOutputManager:
@@ -138,7 +139,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cached_bytes = 0
-        self._refused: OrderedDict[str, str] = OrderedDict()  # grammar key -> why it was refused
+        self._refused: OrderedDict[bytes, str] = OrderedDict()  # sha256 of the key -> why it was refused
         self._lltokenizer: llg.LLTokenizer | None = None
         self._use_worker = worker
         self._worker: GrammarWorker | None = None
@@ -170,8 +171,9 @@ class StructuredOutputManager:
         """The compiled grammar of `spec`, from the cache or compiled now (llguidance drops the GIL while it
         compiles); a grammar the limits, the trial or the compiler refuse raises InvalidRequestError."""
         key = spec.key()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()  # refusals keep no big keys
         with self._lock:
-            hit, refused = self._cache.get(key), self._refused.get(key)
+            hit, refused = self._cache.get(key), self._refused.get(digest)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
@@ -180,7 +182,7 @@ class StructuredOutputManager:
         try:
             compiled = self._compile_new(spec)
         except InvalidRequestError as e:
-            self._remember_refusal(key, str(e))
+            self._remember_refusal(digest, str(e))
             raise
         self._add_to_cache(key, compiled)
         return compiled
@@ -194,7 +196,8 @@ class StructuredOutputManager:
             matcher.compute_bitmask()  # builds the first lexer states now, not in a step
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {spec.kind} for structured outputs: {short_error(matcher.get_error())}")
-        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, trial.bytes if trial else 0)
+        held = (trial.bytes if trial else 0) + len(grammar) + len(spec.key())  # the matcher, its text, its key
+        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held)
 
     def _add_to_cache(self, key: str, compiled: CompiledGrammar) -> None:
         """Least recently used out until the cached grammars hold at most cache_bytes (the newest always stays)."""
@@ -206,9 +209,9 @@ class StructuredOutputManager:
             while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                 self._cached_bytes -= self._cache.popitem(last=False)[1].bytes
 
-    def _remember_refusal(self, key: str, message: str) -> None:
+    def _remember_refusal(self, digest: bytes, message: str) -> None:
         with self._lock:
-            self._refused[key] = message
+            self._refused[digest] = message
             while len(self._refused) > REFUSED_CACHE_SIZE:
                 self._refused.popitem(last=False)
 
