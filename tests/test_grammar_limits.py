@@ -108,8 +108,8 @@ def test_manager_refuses_with_the_limit_named(manager: StructuredOutputManager, 
 
 
 def test_cache_is_bounded_in_bytes(manager: StructuredOutputManager) -> None:
-    """a{5000} holds ~2.5 MB as the worker measures it: an 8 MB cache keeps the newest few, not 256."""
-    specs = [StructuredOutputsParams(regex=f"b{{{5000 + i}}}") for i in range(6)]
+    """b{4000} holds ~2 MB as the worker measures it: an 8 MB cache keeps the newest few, not 256."""
+    specs = [StructuredOutputsParams(regex=f"b{{{4000 + i}}}") for i in range(6)]
     compiled = [manager.compile(s) for s in specs]
     assert all(c.bytes > 1 << 20 for c in compiled)
     assert manager.cached_bytes <= manager.cache_bytes
@@ -196,8 +196,8 @@ SERVER_CASES = {
     "ref_chain": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ref_chain(1000)}}},
                   "nests deeper than the limit of 128"),
     "rule_chain": ({"structured_outputs": {"grammar": rule_chain(5000)}}, "over the limit of 5,000"),
-    "huge_repeat": ({"structured_outputs": {"regex": "a{1000000}"}}, "over the limit of 10,000"),
-    "memory_regex": ({"structured_outputs": {"regex": "(X{1000}){1000}"}}, "over the limit of 10,000"),
+    "huge_repeat": ({"structured_outputs": {"regex": "a{1000000}"}}, "over the limit of 5,000"),
+    "memory_regex": ({"structured_outputs": {"regex": "(X{1000}){1000}"}}, "over the limit of 5,000"),
     "choices": ({"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}}, "over the limit of 10,000"),
     "schema_text": ({"structured_outputs": {"json": DEEP}}, "deeper than the limit of 128"),
     "tool_params": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ref_chain(1000)}}],
