@@ -19,7 +19,7 @@ from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.step_timers import StepTimers
-from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
+from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager, advance_grammar
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
 from pagedllm.model.loader import load_tokenizer as load_tokenizer  # entrypoints load tokenizers through the engine
@@ -474,12 +474,8 @@ class LLMEngine:
     @staticmethod
     def _advance_grammar(seq: Sequence, matcher: Any, token: int) -> bool:
         """Move the sequence's grammar past its new token; True when the grammar is complete. A token the grammar
-        refuses (the mask left nothing to sample) ends the sequence: the matcher cannot recover from it."""
-        if not matcher.consume_token(token):
-            logger.warning("request %s: token %d breaks its grammar (%s); ending it", seq.request_id, token,
-                           matcher.get_error().splitlines()[0] if matcher.get_error() else "")
-            return True
-        return matcher.is_stopped()
+        refuses fails the request (structured_output.advance_grammar): the output could not be what it asked for."""
+        return advance_grammar(matcher, token)
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         p = seq.params

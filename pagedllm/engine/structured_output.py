@@ -8,10 +8,12 @@ JSON strings in our tests; docs/structured-outputs.md has the measurements.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,15 @@ from typing import Any
 import llguidance as llg
 import torch
 
+from pagedllm.engine.grammar_limits import (
+    MAX_CHOICES,
+    check_lark,
+    check_repeats,
+    check_schema,
+    check_size,
+    load_schema_text,
+)
+from pagedllm.engine.grammar_worker import GrammarWorker
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -29,6 +40,8 @@ logger = logging.getLogger("pagedllm")
 # JSON whitespace is bounded: llguidance's default (any run of whitespace wherever JSON allows it) lets a small model
 # write newlines until max_tokens, which ends the output as invalid JSON.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+GRAMMAR_CACHE_BYTES = 512 << 20  # what the cached compiled grammars may hold together, as the worker measures it
+REFUSED_CACHE_SIZE = 1024  # grammars refused lately, kept so a client that repeats one costs no second trial
 
 # Keywords whose value is a subschema, a list of subschemas, or a map of name -> subschema.
 _SUBSCHEMA = ("items", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
@@ -66,27 +79,38 @@ def json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
-    """The request's constraint as an llguidance grammar (not yet checked: the matcher does that)."""
+    """The request's constraint as an llguidance grammar, within grammar_limits.py's bounds (not yet compiled: the
+    worker and the matcher do that)."""
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema: Any = {"type": "object"} if kind == "json_object" else spec.json
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
+            schema = load_schema_text(schema)
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("the JSON schema must be an object")
+        check_schema(schema)
+        for pattern in filter(None, [spec.whitespace_pattern]):
+            check_size(pattern, "whitespace pattern")
+            check_repeats(pattern, "the whitespace pattern")
         return llg.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=json_options(spec))
     if kind == "regex":
+        check_size(spec.regex, "regex")
+        check_repeats(spec.regex, "the regex")
         # \d is Unicode in Rust's regex (it matched '४'); regex_to_lark makes it [0-9] and escapes "/" for /.../.
         return llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(spec.regex, 'd')}/")
     if kind == "choice":
-        return llg.grammar_from("choice", json.dumps(spec.choice))
+        if len(spec.choice) > MAX_CHOICES:
+            raise InvalidRequestError(f"choice has {len(spec.choice):,} entries, over the limit of {MAX_CHOICES:,}")
+        text = json.dumps(spec.choice, ensure_ascii=False)
+        check_size(text, "choice list")
+        return llg.grammar_from("choice", text)
+    check_size(spec.grammar, "grammar")
     try:  # Lark (llguidance's dialect) as is, GBNF ("root ::= ...") converted to Lark
-        return llg.grammar_from("grammar", spec.grammar)
+        lark = llg.grammar_from("grammar", spec.grammar)
     except ValueError as e:
         raise InvalidRequestError(f"the grammar does not parse: {e}") from None
+    check_lark(lark)
+    return lark
 
 
 @dataclass
@@ -96,22 +120,29 @@ class CompiledGrammar:
     grammar: str
     matcher: llg.LLMatcher
     compile_s: float
+    bytes: int = 0  # what it holds (the worker's measure, plus its text): the cache's budget counts these
 
 
 class StructuredOutputManager:
     """Compiles grammars (cached by their text, thread-safe, so a server compiles off its event loop and off the
-    engine's thread) and fills the token bitmask of the constrained rows of a step."""
+    engine's thread) and fills the token bitmask of the constrained rows of a step. A new grammar passes
+    grammar_limits.py's checks, then a trial compile in a child process (grammar_worker.py), before llguidance
+    compiles it here: what llguidance cannot survive never reaches this process."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = 256) -> None:
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES, worker: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, which the bitmask covers
         self.eos_token_ids = list(eos_token_ids)
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.bitmask_words = (vocab_size + 31) // 32
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cached_bytes = 0
+        self._refused: OrderedDict[bytes, str] = OrderedDict()  # sha256 of the key -> why it was refused
         self._lltokenizer: llg.LLTokenizer | None = None
+        self._use_worker = worker
+        self._worker: GrammarWorker | None = None
 
     @property
     def lltokenizer(self) -> llg.LLTokenizer:
@@ -123,27 +154,66 @@ class StructuredOutputManager:
                                                     eos_token=self.eos_token_ids)
             return self._lltokenizer
 
+    @property
+    def worker(self) -> GrammarWorker:
+        """The trial-compile child's handle (the child itself starts on the first new grammar)."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = GrammarWorker(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
+                weakref.finalize(self, self._worker.close)
+            return self._worker
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of `spec`, from the cache or compiled now (llguidance drops the GIL while it
-        compiles); a grammar the compiler refuses raises InvalidRequestError."""
+        compiles); a grammar the limits, the trial or the compiler refuse raises InvalidRequestError."""
         key = spec.key()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()  # refusals keep no big keys
         with self._lock:
-            hit = self._cache.get(key)
+            hit, refused = self._cache.get(key), self._refused.get(digest)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+        if refused is not None:
+            raise InvalidRequestError(refused)
+        try:
+            compiled = self._compile_new(spec)
+        except InvalidRequestError as e:
+            self._remember_refusal(digest, str(e))
+            raise
+        self._add_to_cache(key, compiled)
+        return compiled
+
+    def _compile_new(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         start = time.perf_counter()
         grammar = grammar_text(spec)
+        trial = self.worker.trial(grammar) if self._use_worker else None
         matcher = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)  # never raises: errors are a state
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # builds the first lexer states now, not in a step
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {spec.kind} for structured outputs: {short_error(matcher.get_error())}")
-        matcher.compute_bitmask()  # builds the first lexer states now, not in a step
-        compiled = CompiledGrammar(grammar, matcher, time.perf_counter() - start)
+        held = (trial.bytes if trial else 0) + len(grammar) + len(spec.key())  # the matcher, its text, its key
+        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held)
+
+    def _add_to_cache(self, key: str, compiled: CompiledGrammar) -> None:
+        """Least recently used out until the cached grammars hold at most cache_bytes (the newest always stays)."""
         with self._lock:
+            if key in self._cache:
+                return
             self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            self._cached_bytes += compiled.bytes
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                self._cached_bytes -= self._cache.popitem(last=False)[1].bytes
+
+    def _remember_refusal(self, digest: bytes, message: str) -> None:
+        with self._lock:
+            self._refused[digest] = message
+            while len(self._refused) > REFUSED_CACHE_SIZE:
+                self._refused.popitem(last=False)
 
     def new_matchers(self, spec: StructuredOutputsParams, n: int) -> list[llg.LLMatcher]:
         """One matcher per sample, each in the grammar's start state (a copy costs ~2 us)."""
@@ -159,6 +229,19 @@ class StructuredOutputManager:
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
         return bitmask
+
+
+def advance_grammar(matcher: llg.LLMatcher, token: int) -> bool:
+    """Move a sequence's grammar past its new token; True when the grammar is complete (only EOS could follow).
+    A token it refuses means the grammar could not be followed (the mask allowed nothing, or llguidance hit one of
+    its limits, as `a{1000000}` does on its first token): that is an error for the request, never a finish."""
+    if not matcher.consume_token(token):
+        raise GrammarBrokenError(f"the output could not follow its grammar: {short_error(matcher.get_error())}")
+    return matcher.is_stopped()
+
+
+class GrammarBrokenError(RuntimeError):
+    """A grammar that compiled could not be followed while generating."""
 
 
 def short_error(message: str, limit: int = 300) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
 
 from pagedllm.sampling_params import SEED_RANGE
 
@@ -25,6 +25,10 @@ MAX_CONTENT_PARTS = 256
 MAX_LOGIT_BIAS = 300  # as OpenAI (the server refuses logit_bias, after this cheap check)
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
+# Numbers in requests are strict: JSON true is not 1 (`max_tokens: true`, `prompt: [true, false]`), nor "2" two.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an int is still a float
+TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
@@ -65,6 +69,9 @@ def lone_surrogate(value: Any) -> bool:
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
+        elif isinstance(item, BaseModel):  # nested request parts: structured_outputs, tools, response_format
+            stack.extend(item.__dict__.values())
+            stack.extend((item.model_extra or {}).values())
     return False
 
 
@@ -80,7 +87,7 @@ class RequestModel(BaseModel):
     @model_validator(mode="after")
     def _valid_unicode(self) -> RequestModel:
         for name, value in [*self.__dict__.items(), *(self.model_extra or {}).items()]:
-            if not isinstance(value, BaseModel) and lone_surrogate(value):
+            if lone_surrogate(value):
                 raise ValueError(f"{name} is not valid Unicode (a lone UTF-16 surrogate)")
         return self
 
@@ -123,24 +130,24 @@ class SamplingRequest(RequestModel):
     """Fields both endpoints share: OpenAI's sampling fields, then vLLM's extras."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    n: Int = Field(1, ge=1, le=MAX_N)
+    temperature: Float | None = Field(None, ge=0, le=100)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    seed: Int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM extras
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    top_k: Int = Field(-1, ge=-1, le=INT32_MAX)
+    min_p: Float = Field(0.0, ge=0, le=1)
+    repetition_penalty: Float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: Int = Field(0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
@@ -161,7 +168,7 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
     @model_validator(mode="before")
     @classmethod
@@ -171,8 +178,8 @@ class CompletionRequest(SamplingRequest):
         if too_long(prompt, MAX_PROMPTS) and not isinstance(prompt[0], int):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return data
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -242,10 +249,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: Int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
@@ -261,7 +268,7 @@ class TokenizeRequest(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses -------------------------------------------------------------------------------------------

@@ -71,3 +71,9 @@ def tool_mode(req: ChatCompletionRequest) -> str:
     if not req.tools or req.tool_choice == "none":
         return "none"
     return "auto" if req.tool_choice in (None, "auto") else "forced"
+
+
+def tool_names(req: ChatCompletionRequest) -> frozenset[str]:
+    """The functions whose calls the server returns as tool calls: those in `tools`, none when tools are off (a
+    call of any other function stays in the content: the client has nothing to run for it)."""
+    return frozenset(t.function.name for t in req.tools or []) if tool_mode(req) != "none" else frozenset()

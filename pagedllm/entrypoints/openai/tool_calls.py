@@ -10,10 +10,12 @@ writes them; a template that knows tools gets them as its `tools` variable.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.grammar_limits import check_schema
 from pagedllm.engine.structured_output import close_objects
 from pagedllm.errors import InvalidRequestError
 
@@ -86,10 +88,9 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     for call in message["tool_calls"]:
         function = dict(call.get("function") or {})
         if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass
+            parsed = strict_json(function["arguments"])
+            if parsed is not None:
+                function["arguments"] = parsed
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
 
@@ -106,6 +107,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], max_calls: int = MAX_PARALLEL
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
+        check_schema(function.get("parameters") or {})  # before close_objects walks it
         params = close_objects(dict(function.get("parameters") or {"type": "object"}))
         # "$ref": "#/$defs/X" resolves from the schema's root, which is now the call object: move $defs up there
         defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
@@ -131,11 +133,11 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any])
 
 
 # ---- parsing the output ----------------------------------------------------------------------------------
-def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
-    """Split model output into its content and its well-formed calls. A block that is not a JSON call stays in the
-    content. Unless `final`, a call still being written and a trailing partial `<tool_call>` tag are held back;
-    when final, an unclosed last block that is a whole call counts (the model stopped before the closing tag).
-    Whitespace-only text after a call is dropped."""
+def parse_tool_calls(text: str, final: bool = True, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """Split model output into its content and its well-formed calls. A block that is not a JSON call of one of
+    `names` (any name if None) stays in the content. Unless `final`, a call still being written and a trailing
+    partial `<tool_call>` tag are held back; when final, an unclosed last block that is a whole call counts (the
+    model stopped before the closing tag). Whitespace-only text after a call is dropped."""
     content, calls, pos = [], [], 0
 
     def add(piece: str) -> None:  # whitespace after a call (the "\n" between calls) is not content
@@ -153,7 +155,7 @@ def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ToolCall]
         body = text[start + len(CALL_OPEN):end if end != -1 else len(text)]
         if end == -1 and not final:
             break
-        call = _call_of(body)
+        call = _call_of(body, names)
         if call is None:
             content.append(text[start:end + len(CALL_CLOSE) if end != -1 else len(text)])
         else:
@@ -169,17 +171,36 @@ def _partial_tag(text: str) -> int:
     return next((n for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1) if CALL_OPEN.startswith(text[-n:])), 0)
 
 
-def _call_of(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def _call_of(body: str, names: frozenset[str] | None) -> ToolCall | None:
+    obj = strict_json(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
+    if names is not None and obj["name"] not in names:
+        return None  # a function the request did not offer: the client could not run it
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(arguments, dict):
         return None
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def strict_json(text: str) -> Any:
+    """`text` parsed as JSON proper, or None: Python's parser also takes NaN, Infinity and 1e999 (read as inf),
+    which no other JSON parser does, and raises RecursionError on 1,000 nested `[`."""
+    try:
+        return json.loads(text, parse_constant=_refuse, parse_float=_finite)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return None
+
+
+def _refuse(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is out of range")
+    return value
 
 
 @dataclass
@@ -188,11 +209,12 @@ class ToolCallStream:
 
     content_sent: int = 0
     calls: list[ToolCall] = field(default_factory=list)
+    names: frozenset[str] | None = None  # the functions offered: a call of any other stays content
 
     def update(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """New content and new calls in the output so far. Whitespace-only content is not sent until real text
         follows (a "\\n" between calls is not content)."""
-        content, calls = parse_tool_calls(text, final)
+        content, calls = parse_tool_calls(text, final, self.names)
         new_calls = calls[len(self.calls):]
         for old, new in zip(self.calls, calls):
             new.id = old.id  # the same call, parsed again
