@@ -155,6 +155,14 @@ def test_slowloris_heads_get_408_in_seconds_while_health_answers(server):
     print(f"\nslowloris closed after {elapsed:.1f} s; /health max {max(t for _, t in health) * 1000:.0f} ms")
 
 
+def test_a_pipelined_head_that_stalls_gets_408_after_the_answer_before_it(server):
+    sock = server.connect()
+    sock.sendall(HEAD + b"\r\n" + HEAD + b"X-Stalled: ")
+    sock.settimeout(4 * LIMITS.header_timeout)
+    answer = read_until_close(sock)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 408 ") == 1, answer
+
+
 def test_a_head_sent_slowly_but_in_time_is_served(server):
     sock = server.connect()
     for part in (b"GET /health HTTP/1.1\r\n", b"Host: test\r\nX-Part: 2\r\n", b"Connection: close\r\n\r\n"):

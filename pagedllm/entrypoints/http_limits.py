@@ -98,8 +98,9 @@ def error_response(status: int, message: str, default_headers: list[tuple[bytes,
 
 
 class ConnectionGuard:
-    """The limits, over uvicorn's protocol (mixed in before it). A request's head is "open" from its first byte
-    until the parser has its last header; `_next_head_starts` and the parser's own hooks say when."""
+    """The limits, over uvicorn's protocol (mixed in before it). A request's head is open from its first byte
+    until the parser has its last header; the subclasses follow the parser to say when (`_in_head`, `_head_next`).
+    What every request pays is a few attribute tests and one clock read."""
 
     lingering: ClassVar[int] = 0  # refused sockets waiting for their client to read the answer (process-wide)
     refusals: ClassVar[dict[int, int]] = {}  # status -> count since the last warning
@@ -109,6 +110,7 @@ class ConnectionGuard:
         super().__init__(*args, **kwargs)
         self.limits = limits or ConnectionLimits()
         self._in_head = False
+        self._head_next = False  # the previous request is read whole: the next byte opens a head
         self._head_bytes = 0
         self._head_tail = b""  # the head's last two bytes so far: its end may straddle two reads
         self._head_deadline = 0.0
@@ -130,10 +132,10 @@ class ConnectionGuard:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # a refused client's leftovers, read only so that the answer reaches it before the close
-        if not self._in_head and self._next_head_starts():
+        if not self._in_head and self._head_next:
             self._begin_head()
         if self._in_head:
-            if not self._head_fits(data):
+            if self._head_bytes + len(data) > self.limits.max_header_bytes and not self._head_ends_within(data):
                 self._refuse_large_head()
                 return
             self._head_bytes += len(data)
@@ -155,27 +157,19 @@ class ConnectionGuard:
         super().connection_lost(exc)
 
     # ---- the head: its size and its time ---------------------------------------------------------------------------
-    def _next_head_starts(self) -> bool:
-        """Whether the next byte begins a new request (the previous one is read whole)."""
-        raise NotImplementedError
-
     def _begin_head(self) -> None:
         self._in_head = True
+        self._head_next = False
         self._head_bytes = 0
         self._head_tail = b""
         self._head_deadline = self.loop.time() + self.limits.header_timeout
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.limits.header_timeout, self._check_head_time)
 
-    def _end_head(self) -> None:
-        self._in_head = False
-
-    def _head_fits(self, data: bytes) -> bool:
-        """Whether the head stays within the limit with `data`: all of it fits, or the head ends in the part that
-        does (an empty line), the rest being body. Scanned only when `data` would cross the limit."""
+    def _head_ends_within(self, data: bytes) -> bool:
+        """Whether the head ends (an empty line) in the part of `data` the limit leaves room for, the rest being
+        body: scanned only when `data` would cross the limit."""
         room = self.limits.max_header_bytes - self._head_bytes
-        if len(data) <= room:
-            return True
         window = self._head_tail + data[:max(room, 0)]
         return b"\n\r\n" in window or b"\n\n" in window
 
@@ -188,7 +182,7 @@ class ConnectionGuard:
             self._head_deadline = now + self.limits.header_timeout  # a pipelined head: its clock starts after
         if now < self._head_deadline:
             self._head_timer = self.loop.call_later(self._head_deadline - now, self._check_head_time)
-        elif self._head_bytes == 0:
+        elif self._head_bytes == 0 and self.cycle is None:
             self.transport.close()  # opened and never used: closed as an idle keep-alive connection would be
         else:
             self._refuse(408, f"the request headers did not arrive within {self.limits.header_timeout:g} s "
@@ -230,13 +224,16 @@ class ConnectionGuard:
 class GuardedH11Protocol(ConnectionGuard, H11Protocol):
     """h11 with the guard: h11 itself also stops buffering a head at max_incomplete_event_size."""
 
-    def _next_head_starts(self) -> bool:
-        return self.conn.their_state is h11.IDLE
-
     def handle_events(self) -> None:
         super().handle_events()
-        if self._in_head and self.conn.their_state is not h11.IDLE:
-            self._end_head()
+        idle = self.conn.their_state is h11.IDLE  # h11 waits for a request line
+        if idle and not self._in_head and not self._head_next:  # a request just ended: is the next one begun?
+            buffered = len(self.conn.trailing_data[0])  # a pipelined head, read while the last was answered
+            if buffered:
+                self._begin_head()
+                self._head_bytes = buffered
+        self._in_head = self._in_head and idle
+        self._head_next = idle and not self._in_head
 
 
 if HttpToolsProtocol is not None:
@@ -244,23 +241,17 @@ if HttpToolsProtocol is not None:
         """httptools with the guard; its parser calls these hooks as it reads (several requests in one read when
         a client pipelines)."""
 
-        _message_read = False
-
-        def _next_head_starts(self) -> bool:
-            return self._message_read
-
         def on_message_begin(self) -> None:
-            self._message_read = False
-            if not self._in_head:
+            if not self._in_head:  # a pipelined request, begun in the read that ended the previous one
                 self._begin_head()
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            self._end_head()
+            self._in_head = False
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self._message_read = True
+            self._head_next = True
             super().on_message_complete()
 else:  # pragma: no cover
     GuardedHttpToolsProtocol = GuardedH11Protocol
