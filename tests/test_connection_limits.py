@@ -259,7 +259,7 @@ def test_the_limits_are_checked_and_fill_uvicorn_config():
         with pytest.raises(ValueError, match="must be positive"):
             ConnectionLimits(**bad)
     parser = argparse.ArgumentParser()
-    ConnectionLimits.add_cli_args(parser.add_argument_group("server"))
+    ConnectionLimits.add_cli_args(parser)
     args = parser.parse_args(["--max-header-bytes", "8192", "--header-timeout", "3", "--max-connections", "100"])
     assert ConnectionLimits.from_cli_args(args) == ConnectionLimits(8192, 3.0, 100)
     assert ConnectionLimits.from_cli_args(parser.parse_args([])) == ConnectionLimits()

@@ -62,7 +62,9 @@ class ConnectionLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     @staticmethod
-    def add_cli_args(group: argparse._ArgumentGroup) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The flags, in their own group of the command's help."""
+        group = parser.add_argument_group("connections")
         group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
                            help="a request line and headers larger than this get 431")
         group.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
