@@ -52,6 +52,8 @@ def default_max_connections() -> int:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
+    """What one connection may hold (`pagedllm serve --max-header-bytes/--header-timeout/--max-connections`)."""
+
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_connections: int = field(default_factory=default_max_connections)
