@@ -16,8 +16,11 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.core.kv_view import KVSnapshot
+    from pagedllm.core.sequence import Sequence
     from pagedllm.engine.llm_engine import EngineCounters
     from pagedllm.engine.router import Router
+    from pagedllm.engine.structured_output import CompiledGrammar
+    from pagedllm.model.loader import ModelConfig
     from pagedllm.model.tokenizer import Tokenizer
 
 
@@ -65,7 +68,7 @@ class SteppedEngine(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     max_prompt_chars: int | None  # no text longer than this can fit (None: not known)
-    model_config: Any  # the checkpoint's config (vocab_size)
+    model_config: ModelConfig  # the checkpoint's config (vocab_size)
 
     @property
     def num_running(self) -> int: ...
@@ -75,10 +78,10 @@ class SteppedEngine(Protocol):
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]: ...
 
-    def compile_grammar(self, spec: StructuredOutputsParams) -> Any: ...
+    def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Any: ...
+                    arrival_time: float | None = None) -> Sequence: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 

@@ -121,7 +121,7 @@ class EngineDeployment:
 
 
 class ServeStream(RequestStream):
-    """A request's outputs from the engine deployment, shaped like the engine's RequestStream."""
+    """A request's outputs from the engine deployment, a RequestStream (engine/protocol.py)."""
 
     def __init__(self, response: Any, request_id: str) -> None:
         self.response, self.request_id, self.finished = response, request_id, False

@@ -255,7 +255,7 @@ def finish_fields(c: CompletionOutput) -> dict[str, Any]:
 # ---- server-sent events ----------------------------------------------------------------------------------
 class SSEResponse(StreamingResponse):
     """An event stream that aborts its requests however it ends: client gone (before the first chunk too), or a
-    client that stopped reading for `send_timeout` seconds (its unread output is not kept, see RequestStream)."""
+    client that stopped reading for `send_timeout` seconds (its unread output is not kept, see AsyncRequestStream)."""
 
     def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
                  send_timeout: float = ServerConfig.stream_send_timeout) -> None:
