@@ -182,3 +182,70 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in cls.field_names()})
+
+
+@dataclass
+class ServerConfig:
+    """`pagedllm serve`'s own settings: where it listens, who may call it, and the limits that keep one client (or a
+    crowd) from holding it. The one place their defaults are written."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 (None: open)
+    served_model_name: list[str] | None = None  # the names clients use (None: --model as given)
+    max_waiting_requests: int = 256  # requests accepted but not running; beyond, 503 with Retry-After
+    max_request_bytes: int = 2 << 20  # JSON parsing runs on the event loop: ~0.1-0.25 s per MiB at worst
+    body_timeout: float = 30.0  # seconds to receive a whole request body
+    stream_send_timeout: float = 30.0  # seconds a stream waits for its client to take the next chunk
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's)
+    disable_log_requests: bool = False
+    disable_log_stats: bool = False
+    no_dashboard: bool = False
+    dashboard_rate: float = 4.0  # /dashboard: KV snapshots per second at most
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
+                     "timeout_keep_alive"):
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
+
+    @property
+    def dashboard(self) -> float | None:
+        """KV snapshots per second for /dashboard, or None for no dashboard."""
+        return None if self.no_dashboard else self.dashboard_rate
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The server flags (vLLM's names where they have one)."""
+        d = ServerConfig.__dataclass_fields__
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default=d["host"].default)
+        g.add_argument("--port", type=int, default=d["port"].default)
+        g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
+                                                       "(default: $PAGEDLLM_API_KEY)")
+        g.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use for the model (default: --model as given)")
+        g.add_argument("--max-waiting-requests", type=int, default=d["max_waiting_requests"].default,
+                       help="requests queued beyond this get 503 with Retry-After")
+        g.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
+                       help="larger request bodies get 413 before they are read")
+        g.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
+                       help="seconds to receive a whole request body (408 beyond)")
+        g.add_argument("--stream-send-timeout", type=float, default=d["stream_send_timeout"].default,
+                       help="a stream whose client reads nothing for this many seconds is aborted")
+        g.add_argument("--timeout-keep-alive", type=int, default=d["timeout_keep_alive"].default,
+                       help="seconds an idle keep-alive connection stays open (uvicorn's)")
+        g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+        g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
+        g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")
+        g.add_argument("--dashboard-rate", type=float, default=d["dashboard_rate"].default,
+                       help="/dashboard: KV snapshots per second at most, taken between engine steps")
+        g.add_argument("--uvicorn-log-level", default=d["uvicorn_log_level"].default,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        values["api_key"] = values["api_key"] or os.environ.get("PAGEDLLM_API_KEY")
+        return cls(**values)

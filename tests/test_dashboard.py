@@ -26,7 +26,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.kv_trace import TRACE_FORMAT, TraceRecorder, read_trace
-from pagedllm.entrypoints.openai.dashboard import DashboardHub, build_replay_app
+from pagedllm.entrypoints.openai.dashboard import DashboardHub
+from pagedllm.entrypoints.replay import build_replay_app
 from pagedllm.sampling_params import SamplingParams
 
 CHROMIUM = "/usr/bin/chromium"
@@ -231,9 +232,10 @@ def test_no_dashboard_and_a_dashboard_that_cannot_start() -> None:
     """--no-dashboard: no routes. An engine without snapshots: the server serves, the dashboard says why not."""
     from fastapi.testclient import TestClient
 
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.config import ServerConfig
+    from pagedllm.entrypoints.serve import build_app
 
-    with TestClient(build_app(FakeEngine(), ["fake"], dashboard_rate=None)) as http:
+    with TestClient(build_app(FakeEngine(), ["fake"], ServerConfig(no_dashboard=True))) as http:
         assert http.get("/dashboard").status_code == 404
         assert http.get("/dashboard/events").status_code == 404
     with TestClient(build_app(FakeEngine(), ["fake"])) as http:

@@ -36,9 +36,9 @@ def fuzz_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
 def operations() -> list[tuple[str, str, str]]:
     """(method, path, mode) of every operation in the server's schema (the app's routes, without starting it): valid
     requests for all, invalid ones for those that take a body (the others have nothing to break)."""
-    from pagedllm.entrypoints.openai.api_server import router
+    from pagedllm.entrypoints.openai.app import ROUTERS
 
-    ops = sorted((method, route.path) for route in router.routes for method in route.methods)
+    ops = sorted((method, route.path) for router in ROUTERS for route in router.routes for method in route.methods)
     return [(m, p, mode) for m, p in ops for mode in ("positive", "negative") if mode == "positive" or m == "POST"]
 
 

@@ -258,8 +258,8 @@ def test_health_answers_while_a_big_prompt_tokenizes(server: Server) -> None:
 
 
 def test_tokenize_runs_in_a_worker_thread_for_long_prompts() -> None:
-    from pagedllm.entrypoints.openai.api_server import ServerContext
     from pagedllm.entrypoints.openai.limits import OFF_LOOP_CHARS
+    from pagedllm.entrypoints.openai.serving import ServerContext
 
     threads: list[str] = []
 

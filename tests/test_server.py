@@ -399,7 +399,9 @@ class FakeEngine:
     """Just enough of LLMEngine: every step gives each request one token until it has `length` of them.
     Prompt [13] is rejected on add; `fail` makes step() raise (the engine cannot go on)."""
 
+    model_name = "fake"
     max_model_len = 64
+    max_prompt_chars = None
     tokenizer = None
 
     def __init__(self, length: int = 3) -> None:
@@ -543,7 +545,7 @@ def test_async_engine_with_factory_restarts_and_serves_again() -> None:
 def test_dead_engine_gives_503s_not_hangs() -> None:
     from fastapi.testclient import TestClient
 
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.serve import build_app
 
     fake = FakeEngine(length=1000)
     app = build_app(fake, ["fake"])

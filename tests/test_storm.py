@@ -18,9 +18,9 @@ import pytest
 import uvicorn
 
 from pagedllm.bench.serve import free_port
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.serve import build_app
 from pagedllm.sampling_params import SamplingParams
 
 REFERENCE = {"prompt": "The reference request, greedy in fp32:", "max_tokens": 32, "temperature": 0,
@@ -30,7 +30,7 @@ REFERENCE = {"prompt": "The reference request, greedy in fp32:", "max_tokens": 3
 @contextmanager
 def serve(engine: LLMEngine, **app_args) -> Iterator[str]:
     """`engine` behind the OpenAI server on a free local port, in a thread of this process."""
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, ["tiny"], **app_args), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, ["tiny"], ServerConfig(**app_args)), host="127.0.0.1",
                                            port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

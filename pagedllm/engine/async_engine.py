@@ -19,15 +19,29 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pagedllm.config import ServerConfig
+from pagedllm.engine.protocol import (
+    EngineClient,
+    EngineDeadError,
+    EngineRestartingError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+    ServingObserver,
+    SteppedEngine,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
+
+__all__ = ["AsyncLLMEngine", "AsyncRequestStream", "EngineDeadError", "EngineRestartingError", "QueueFullError",
+           "RequestFailedError", "build_off_main_thread", "build_serving_engine"]
 
 logger = logging.getLogger("pagedllm.engine.async_engine")
 
@@ -78,31 +92,7 @@ def build_serving_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped: no request can be served any more."""
-
-
-class EngineRestartingError(RuntimeError):
-    """The engine failed and is being replaced; the request should be retried."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed on this request (and on no other): the server's fault, not the client's."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later."""
-
-
-class StepObserver(Protocol):
-    """Gets every batch of outputs from the loop thread (metrics and logging, see metrics.EngineStats)."""
-
-    def record(self, engine: Any, outputs: list[RequestOutput]) -> None: ...
-
-    def record_restart(self) -> None: ...
-
-
-class RequestStream:
+class AsyncRequestStream(RequestStream):
     """The outputs of one request, as an async iterator; cancelling it (or the task reading it) aborts it.
 
     Outputs are cumulative (each holds all tokens and text so far), so the stream keeps only the newest: a reader
@@ -123,9 +113,6 @@ class RequestStream:
             return
         self._latest = item
         self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
@@ -151,21 +138,18 @@ class RequestStream:
             self._done()
             self._owner.abort(self.request_id)
 
-    def allow_restart(self) -> None:
-        """The reader needs only the final output (nothing was streamed to a client), so an engine may start the
-        request over; one engine never does (a ReplicaPool does, on another replica, if this one dies)."""
-
     def _done(self) -> None:
         self.finished = True
         self._owner._forget(self.request_id)
 
 
-class AsyncLLMEngine:
-    """Runs `engine.step()` in one thread; `add_request` (from the event loop) returns a RequestStream."""
+class AsyncLLMEngine(EngineClient):
+    """Runs `engine.step()` in one thread; `add_request` (from the event loop) returns a stream of its outputs."""
 
-    def __init__(self, engine: Any, max_waiting_requests: int = 256, observer: StepObserver | None = None,
-                 engine_factory: Callable[[], Any] | None = None) -> None:
-        self.engine = engine  # None only while a restart builds the next one
+    def __init__(self, engine: SteppedEngine, max_waiting_requests: int = ServerConfig.max_waiting_requests,
+                 observer: ServingObserver | None = None,
+                 engine_factory: Callable[[], SteppedEngine] | None = None) -> None:
+        self.engine: SteppedEngine | None = engine  # None only while a restart builds the next one
         self.engine_factory = engine_factory
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
@@ -174,15 +158,16 @@ class AsyncLLMEngine:
         self.num_restarts = 0
         self.restart_reason: str | None = None
         # facts that a restart does not change, read from the event loop
+        self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
-        self.max_prompt_chars: int | None = getattr(engine, "max_prompt_chars", None)
+        self.max_prompt_chars: int | None = engine.max_prompt_chars
         self.num_running = 0  # published by the loop thread after every step, read by the event loop
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, RequestStream] = {}  # event-loop side only
+        self._streams: dict[str, AsyncRequestStream] = {}  # event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -212,6 +197,10 @@ class AsyncLLMEngine:
         and drops the GIL), so neither the event loop nor the loop thread waits for a big schema."""
         await asyncio.to_thread(self.engine.compile_grammar, spec)
 
+    def replica_health(self) -> None:
+        """One engine: /health's status code says it all."""
+        return None
+
     @property
     def is_alive(self) -> bool:
         """Serving now: not dead, not restarting (/health's answer)."""
@@ -231,34 +220,17 @@ class AsyncLLMEngine:
     def _restarting_message(self) -> str:
         return f"the engine failed ({self.restart_reason}) and is restarting; retry the request"
 
-    def check_admission(self) -> None:
-        """Raise before anything is queued if the engine is dead or the waiting queue is full."""
-        self.check_alive()
-        if self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting; retry later")
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> RequestStream:
+                    arrival_time: float | None = None) -> AsyncRequestStream:
         """Queue a request for the loop thread; its outputs (or its error) arrive on the returned stream.
         Admission (the waiting-queue bound) is the caller's `check_admission()`, once per request group."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, self)
+        stream = AsyncRequestStream(request_id, self)
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, params, arrival_time or time.time()))
         return stream
-
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       ) -> AsyncIterator[RequestOutput]:
-        """vLLM's shape: an async generator of outputs; closing it early aborts the request."""
-        self.check_admission()
-        stream = self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.cancel()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the loop frees the request's blocks before its next step."""

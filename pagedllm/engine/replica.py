@@ -15,8 +15,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream, StepObserver, build_serving_engine
+from pagedllm.config import EngineConfig, ServerConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
+from pagedllm.engine.protocol import RequestStream, ServingObserver
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,8 +51,8 @@ class EngineReplica:
     """The actor's class: builds the engine in the replica's process; every method runs on the actor's event loop,
     the engine steps in the AsyncLLMEngine's thread."""
 
-    def __init__(self, config: EngineConfig, max_waiting_requests: int = 256,
-                 observer_factory: Callable[[], StepObserver] | None = None) -> None:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = ServerConfig.max_waiting_requests,
+                 observer_factory: Callable[[], ServingObserver] | None = None) -> None:
         llm = build_serving_engine(config)
         self.observer = observer_factory() if observer_factory else None
         self.engine = AsyncLLMEngine(llm, max_waiting_requests, observer=self.observer)

@@ -1,6 +1,6 @@
-"""Several engine replicas behind one engine-like client: Ray actors (replica.py), a router (router.py), health
-checks and fault handling. The server talks to a ReplicaPool as it talks to one AsyncLLMEngine (`check_admission`,
-`add_request` -> stream, `abort`, `is_alive`, `tokenizer`, `tokenize_prompt`, `max_model_len`, `vocab_size`).
+"""Several engine replicas behind one engine client: Ray actors (replica.py), a router (router.py), health checks
+and fault handling. The server talks to a ReplicaPool as it talks to one AsyncLLMEngine (both are an EngineClient,
+protocol.py).
 
 Faults: a replica whose actor dies is restarted by Ray (`max_restarts`); one whose engine loop died is killed so
 that Ray restarts it. Its requests that had no output yet are routed again to another replica; those that had end
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pagedllm
-from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import EngineDeadError, QueueFullError, StepObserver
+from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.llm_engine import tokenize_prompt
+from pagedllm.engine.protocol import EngineClient, EngineDeadError, RequestStream, ServingObserver
 from pagedllm.engine.replica import EngineReplica, ReplicaInfo, ReplicaStatus
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, Route, Router
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.engine.replica_pool")
 NAMESPACE = "pagedllm"
@@ -47,7 +47,7 @@ class PoolConfig:
     routing_margin: int = DEFAULT_ROUTING_MARGIN  # in-flight requests a prefix's replica may have over the least
     index_blocks: int | None = None  # per replica; default: the replica's KV pool, which holds no more
     ray_address: str | None = None  # None: start a local Ray instance for the server's lifetime
-    max_waiting_requests: int = 256
+    max_waiting_requests: int = ServerConfig.max_waiting_requests
     health_interval: float = 1.0
     health_timeout: float = 10.0
     max_restarts: int = 1000
@@ -87,7 +87,7 @@ def init_ray(address: str | None) -> bool:
     return True
 
 
-class PoolStream:
+class PoolStream(RequestStream):
     """One request's outputs as they come from whichever replica serves it; cancelling it aborts the request."""
 
     def __init__(self, pool: ReplicaPool, request_id: str, prompt_token_ids: list[int],
@@ -105,9 +105,6 @@ class PoolStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
-
-    def __aiter__(self) -> PoolStream:
-        return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished and self._queue.empty():
@@ -154,14 +151,15 @@ class Replica:
     listener: asyncio.Task | None = None
 
 
-class ReplicaPool:
+class ReplicaPool(EngineClient):
     """N engine replicas as Ray actors, placed by CPU resources, behind one router."""
 
     def __init__(self, config: EngineConfig, pool_config: PoolConfig,
-                 observer_factory: Callable[[], StepObserver] | None = None) -> None:
+                 observer_factory: Callable[[], ServingObserver] | None = None) -> None:
         from pagedllm.model.loader import load_tokenizer
 
         self.pool_config = pool_config
+        self.max_waiting_requests = pool_config.max_waiting_requests
         n = pool_config.num_replicas
         threads = config.threads or max(1, (os.cpu_count() or 1) // n)
         self.config = dataclasses.replace(config, threads=threads)
@@ -191,6 +189,7 @@ class ReplicaPool:
             raise
         first = infos[0]
         self.model_name, self.max_model_len, self.vocab_size = first.model_name, first.max_model_len, first.vocab_size
+        self.max_prompt_chars: int | None = self.max_model_len * self.tokenizer.max_token_chars
         self.router = Router(n, first.block_size, pool_config.routing, pool_config.routing_margin,
                              pool_config.index_blocks or first.num_blocks)
         for replica, info in zip(self.replicas, infos):
@@ -223,10 +222,6 @@ class ReplicaPool:
     def is_alive(self) -> bool:
         return any(r.healthy for r in self.replicas)
 
-    @property
-    def dead_error(self) -> BaseException | None:
-        return None if self.is_alive else EngineDeadError("no replica is healthy")
-
     def check_alive(self) -> None:
         if not self.is_alive:
             raise EngineDeadError("no replica is healthy")
@@ -234,12 +229,9 @@ class ReplicaPool:
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
-    def check_admission(self) -> None:
-        """Raise before anything is queued if no replica is healthy or too many requests wait for a seat."""
-        if not self.is_alive:
-            raise EngineDeadError("no replica is healthy")
-        if self.num_waiting >= self.pool_config.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting; retry later")
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Nothing ahead: a replica compiles the grammar when the request reaches it (a grammar it refuses fails the
+        request's stream with the same InvalidRequestError)."""
 
     @property
     def num_waiting(self) -> int:

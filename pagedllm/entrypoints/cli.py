@@ -7,8 +7,8 @@ import logging
 import sys
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.openai.api_server import add_serve_command
-from pagedllm.entrypoints.openai.dashboard import add_replay_command
+from pagedllm.entrypoints.replay import add_replay_command
+from pagedllm.entrypoints.serve import add_serve_command
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -21,12 +21,13 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
 from pagedllm.engine.llm_engine import load_tokenizer, tokenize_prompt
+from pagedllm.engine.protocol import EngineClient, RequestStream
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, PrefixIndex, block_hashes
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class PrefixAffinityRequestRouter(RequestRouter):
@@ -86,7 +87,7 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
 class EngineDeployment:
     """One Serve replica: an engine with its own threads, KV pool and prefix cache."""
 
-    def __init__(self, config: EngineConfig, max_waiting_requests: int = 256) -> None:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = ServerConfig.max_waiting_requests) -> None:
         self.llm = build_serving_engine(config)
         self.engine = AsyncLLMEngine(self.llm, max_waiting_requests)
         self.started = False
@@ -119,14 +120,11 @@ class EngineDeployment:
             raise RuntimeError(f"the engine loop has stopped: {self.engine.dead_error!r}")
 
 
-class ServeStream:
-    """A request's outputs from the engine deployment, shaped like the engine's RequestStream."""
+class ServeStream(RequestStream):
+    """A request's outputs from the engine deployment, a RequestStream (engine/protocol.py)."""
 
     def __init__(self, response: Any, request_id: str) -> None:
         self.response, self.request_id, self.finished = response, request_id, False
-
-    def __aiter__(self) -> ServeStream:
-        return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
@@ -149,14 +147,14 @@ class ServeStream:
 BOUND: dict[str, dict[str, Any]] = {}
 
 
-class ServeEngineClient:
+class ServeEngineClient(EngineClient):
     """The engine client the OpenAI app expects, over a handle to the engine deployment (bound in the ingress
     replica, where the handle exists)."""
 
     def __init__(self, model: str | None) -> None:
         self.model = model
         self.key = uuid.uuid4().hex
-        self.is_alive, self.dead_error = True, None
+        self.is_alive = True  # Serve checks the replicas' health itself
 
     async def bind(self, handle: Any) -> None:
         info = await handle.info.remote()
@@ -174,6 +172,29 @@ class ServeEngineClient:
     def vocab_size(self) -> int:
         return BOUND[self.key]["vocab_size"]
 
+    @property
+    def model_name(self) -> str:
+        return BOUND[self.key]["model_name"]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.tokenizer.max_token_chars
+
+    @property
+    def num_waiting(self) -> int:
+        """Serve keeps the queues; the ingress sees none."""
+        return 0
+
+    def check_alive(self) -> None:
+        """Serve routes around replicas that fail their health checks."""
+
+    def replica_health(self) -> None:
+        """Serve reports its replicas itself (`serve status`)."""
+        return None
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """The engine replica compiles the grammar when the request reaches it."""
+
     def start(self) -> None:
         """Serve starts and stops the replicas."""
 
@@ -185,6 +206,9 @@ class ServeEngineClient:
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+
+    def abort(self, request_id: str) -> None:
+        """A request is cancelled through its stream (ServeStream.cancel)."""
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ServeStream:
         ids = self.tokenize_prompt(prompt)
@@ -199,7 +223,7 @@ def serve_app(model: str | None = None, num_replicas: int = 2, threads: int = 1,
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from pagedllm.entrypoints.openai.api_server import build_client_app
+    from pagedllm.entrypoints.openai.app import build_client_app
     from pagedllm.entrypoints.openai.metrics import EngineStats
 
     config = EngineConfig(model=model, threads=threads, block_size=block_size, **engine_args)

@@ -1,5 +1,5 @@
 """`/dashboard`: a live view of the paged KV cache (the block pool, each request's block tables, the events), and
-`pagedllm replay`, the same page over a trace recorded by `pagedllm bench throughput --trace`.
+the same page over a trace recorded by `pagedllm bench throughput --trace` (`pagedllm replay`, entrypoints/replay.py).
 
 Snapshots are taken on the engine thread, by `DashboardHub.record` (an async-engine observer): at most `rate` a
 second while the engine works, and once more when it goes idle, so nothing asks the engine faster than it steps.
@@ -10,7 +10,6 @@ streams, so a new page gets the whole picture at once without asking the engine.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -22,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from pagedllm.engine.protocol import ServingObserver, SteppedEngine
 from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
 from pagedllm.outputs import RequestOutput
 
@@ -53,7 +53,7 @@ class DashboardHub:
         self.num_snapshots = 0
         self.closed = False
 
-    def start(self, engine: Any) -> None:
+    def start(self, engine: SteppedEngine) -> None:
         """On the event loop, before the engine thread starts: the first (full) snapshot. A dashboard that cannot
         start is switched off, never the server."""
         try:
@@ -64,7 +64,7 @@ class DashboardHub:
         self.loop = asyncio.get_running_loop()
 
     # ---- engine thread ------------------------------------------------------------------------------------
-    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+    def record(self, engine: SteppedEngine, outputs: list[RequestOutput]) -> None:
         """After every step (and after aborts): a snapshot if the last is `period` old, or if the engine is idle."""
         now = time.monotonic()
         busy = engine.num_running or engine.num_waiting
@@ -73,7 +73,10 @@ class DashboardHub:
         self.last_taken = now
         self.loop.call_soon_threadsafe(self.publish, self.take(engine))
 
-    def take(self, engine: Any) -> Any:
+    def record_restart(self) -> None:
+        """Nothing to count: the next snapshot comes from the fresh engine."""
+
+    def take(self, engine: SteppedEngine) -> Any:
         snap = engine.kv_snapshot(self.version)
         self.version = snap.version
         if self.hide_prompts:
@@ -155,13 +158,13 @@ class Replay:
         return {"mode": "replay", "model": self.header.get("model"), "path": self.path, "frames": len(self.frames)}
 
 
-class Observers:
+class Observers(ServingObserver):
     """Several async-engine observers as one (the async engine takes one): each failure is logged on its own."""
 
-    def __init__(self, *observers: Any) -> None:
+    def __init__(self, *observers: ServingObserver) -> None:
         self.members = observers
 
-    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+    def record(self, engine: SteppedEngine, outputs: list[RequestOutput]) -> None:
         for observer in self.members:
             try:
                 observer.record(engine, outputs)
@@ -172,8 +175,7 @@ class Observers:
         """Called from the thread that replaces a broken engine: a failing member must not stop that thread."""
         for observer in self.members:
             try:
-                if hasattr(observer, "record_restart"):
-                    observer.record_restart()
+                observer.record_restart()
             except Exception:
                 logger.exception("observer %s failed to record a restart", type(observer).__name__)
 
@@ -253,41 +255,3 @@ async def dashboard_trace(raw: Request) -> Response:
 def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
     app.state.dashboard = source
     app.include_router(router)
-
-
-def uvicorn_server(app: FastAPI, **config: Any) -> Any:
-    """uvicorn's server for `app`; on Ctrl+C or SIGTERM it first ends the dashboard's event streams, which would
-    otherwise keep it waiting for their connections to close (as long as a page stays open)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            source = getattr(app.state, "dashboard", None)
-            if isinstance(source, DashboardHub):
-                source.close()
-            super().handle_exit(sig, frame)
-
-    return Server(uvicorn.Config(app, **config))
-
-
-# ---- pagedllm replay -------------------------------------------------------------------------------------------
-def build_replay_app(path: str) -> FastAPI:
-    app = FastAPI(title="pagedllm replay")
-    mount(app, Replay(path))
-    return app
-
-
-def add_replay_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help="serve the KV cache dashboard over a trace of `bench throughput --trace`")
-    p.add_argument("trace", help="a JSONL trace written by `pagedllm bench throughput --trace PATH`")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.set_defaults(func=cmd_replay)
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    app = build_replay_app(args.trace)
-    print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
-          f"open http://{args.host}:{args.port}/dashboard")
-    uvicorn_server(app, host=args.host, port=args.port, log_level="warning").run()
-    return 0

@@ -17,12 +17,11 @@ from typing import Any, TypeVar
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.config import ServerConfig
+
 logger = logging.getLogger("pagedllm.entrypoints.openai.limits")
 T = TypeVar("T")
 
-DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # JSON parsing runs on the event loop: ~0.1-0.25 s per MiB at worst
-DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole body
-DEFAULT_STREAM_SEND_TIMEOUT = 30.0  # seconds a stream waits for its client to take the next chunk
 OFF_LOOP_CHARS = 8192  # longer prompts are tokenized (and chats rendered) in the worker threads
 OFF_LOOP_TOKENS = 8192
 
@@ -43,8 +42,8 @@ class RequestLimitMiddleware:
     re-raises these HTTPExceptions as they are, so the client gets OpenAI's error body (FastAPI's own max_body_size
     answers a declared oversize body in plain text)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = ServerConfig.max_request_bytes,
+                 timeout: float = ServerConfig.body_timeout) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout

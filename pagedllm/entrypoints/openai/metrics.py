@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
 from pagedllm.outputs import RequestOutput
 
 request_logger = logging.getLogger("pagedllm.requests")
@@ -36,7 +37,7 @@ class _Progress:
     last_token_time: float | None = None
 
 
-class EngineStats:
+class EngineStats(ServingObserver):
     """Prometheus metrics for one server (its own registry) plus per-request and periodic engine log lines."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, log_interval: float = 5.0,
@@ -93,7 +94,7 @@ class EngineStats:
         self._start_interval(time.monotonic())
 
     # ---- called by the loop thread ----------------------------------------------------------------------
-    def record(self, engine: Any, outputs: list[RequestOutput]) -> None:
+    def record(self, engine: SteppedEngine, outputs: list[RequestOutput]) -> None:
         """Update gauges from the engine's state and counters/histograms from this step's outputs."""
         now = time.time()
         running, waiting = engine.num_running, engine.num_waiting
@@ -212,7 +213,7 @@ class ReplicaSetStats:
     replica="i" (as its last health check reported them), plus the router's (requests routed per replica, affinity
     hits, re-routes, replica health)."""
 
-    def __init__(self, pool: Any, model_name: str) -> None:
+    def __init__(self, pool: ReplicaSetClient, model_name: str) -> None:
         self.pool = pool
         self.model_name = model_name
         self.registry = CollectorRegistry()

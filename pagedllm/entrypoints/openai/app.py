@@ -1,0 +1,56 @@
+"""The OpenAI-compatible app over an engine client: /v1/completions, /v1/chat/completions, /v1/models and vLLM's
+/health, /metrics, /tokenize, /detokenize, /version. Each endpoint module brings its own router; an endpoint is one
+more module in `ROUTERS`.
+
+Every bad request is a 4xx with an OpenAI-style body, never a 500 (errors.py); a client that goes away aborts its
+requests; past --max-waiting-requests new requests get 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from pagedllm import __version__
+from pagedllm.config import ServerConfig
+from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai import routes, serving_chat, serving_completion
+from pagedllm.entrypoints.openai.errors import ApiKeyMiddleware, install_error_handlers
+from pagedllm.entrypoints.openai.limits import RequestLimitMiddleware, WorkerPool
+from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
+from pagedllm.entrypoints.openai.serving import ServerContext
+
+ROUTERS: list[APIRouter] = [serving_completion.router, serving_chat.router, routes.router]
+
+
+def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats, model_names: list[str],
+                     server: ServerConfig | None = None, model_path: str | None = None,
+                     on_start: Callable[[], None] | None = None) -> FastAPI:
+    """The app over an engine client (an AsyncLLMEngine, or a ReplicaPool of several), started and shut down with
+    the app; `stats.registry` is what /metrics serves; `on_start` runs first (the dashboard's first snapshot).
+    Of `server`, the app uses the API key and the limits on request bodies and streams."""
+    server = server or ServerConfig()
+    workers = WorkerPool()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_start is not None:
+            on_start()  # before the engine thread owns the engine
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+            workers.shutdown()
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, server.stream_send_timeout)
+    install_error_handlers(app)
+    if server.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=server.api_key)
+    app.add_middleware(RequestLimitMiddleware, max_bytes=server.max_request_bytes, timeout=server.body_timeout)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

@@ -1,0 +1,343 @@
+"""What every generating endpoint shares: the server's context (engine client, tokenizing, context checks), the
+request's SamplingParams, submitting its choices and merging or collecting their outputs, and server-sent events
+with the one streaming loop of chat and completions (each choice's new text and tokens as they come)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.config import ServerConfig
+from pagedllm.engine.protocol import EngineClient, EngineRestartingError, RequestStream
+from pagedllm.entrypoints.openai.errors import APIError, engine_errors, json_response, to_api_error
+from pagedllm.entrypoints.openai.limits import OFF_LOOP_CHARS, OFF_LOOP_TOKENS, SendDeadline, WorkerPool
+from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
+from pagedllm.entrypoints.openai.protocol import MAX_N, ErrorResponse, SamplingRequest, UsageInfo, random_id
+from pagedllm.entrypoints.openai.response_format import structured_outputs_of
+from pagedllm.errors import InvalidRequestError
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm.entrypoints.openai.serving")
+T = TypeVar("T")
+
+
+# ---- the server's state ----------------------------------------------------------------------------------
+@dataclass
+class ServerContext:
+    engine: EngineClient
+    stats: EngineStats | ReplicaSetStats  # its `registry` is what /metrics serves
+    model_names: list[str]
+    model_path: str | None
+    workers: WorkerPool = dataclasses.field(default_factory=WorkerPool)
+    stream_send_timeout: float = ServerConfig.stream_send_timeout
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name or self.model_names[0]
+
+    async def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids checked against vocabulary and context (read-only engine use: safe off its thread); a long
+        prompt in a worker thread, so the event loop goes on serving."""
+        try:
+            if len(prompt) > (OFF_LOOP_CHARS if isinstance(prompt, str) else OFF_LOOP_TOKENS):
+                return await self.workers.run(self.engine.tokenize_prompt, prompt)
+            return self.engine.tokenize_prompt(prompt)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=param) from None
+        except EngineRestartingError as e:
+            raise to_api_error(e) from None
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse a text no context could hold before tokenizing it (that costs time in proportion)."""
+        limit = self.engine.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"the {param} have {len(text)} characters: more than max_model_len "
+                           f"({self.max_model_len}) tokens can hold", param=param, code="context_length_exceeded")
+
+    def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens", code="context_length_exceeded")
+
+
+def server_of(request: Request) -> ServerContext:
+    return request.app.state.server
+
+
+# ---- requests -> engine ----------------------------------------------------------------------------------
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for one choice; absurd values are 400s naming the field."""
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req))
+    except InvalidRequestError as e:
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+
+async def compile_grammar(engine: EngineClient, params: SamplingParams) -> None:
+    """Compile a structured-output request's grammar before it is queued, off the event loop: a big schema stalls
+    neither the event loop nor the engine's steps, and a grammar the compiler refuses is a 400."""
+    if params.structured_outputs is not None:
+        with engine_errors():
+            await engine.compile_grammar(params.structured_outputs)
+
+
+async def submit(ctx: ServerContext, id_prefix: str, prompts: list[list[int]], params: SamplingParams,
+                 n: int) -> tuple[str, list[RequestStream]]:
+    """A new request id and the streams of its choices: the grammar compiled first, then admission, then one engine
+    request per prompt."""
+    await compile_grammar(ctx.engine, params)
+    request_id = random_id(id_prefix)
+    with engine_errors():
+        return request_id, submit_choices(ctx.engine, request_id, prompts, params, n)
+
+
+def submit_choices(engine: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   n: int) -> list[RequestStream]:
+    """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
+    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i)."""
+    engine.check_admission()
+    streams: list[RequestStream] = []
+    try:
+        for p, ids in enumerate(prompts):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, n=n)))
+    except BaseException:
+        cancel_all(streams)
+        raise
+    return streams
+
+
+def cancel_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they arrive, tagged with the request's position in `streams`."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """Each choice's completion whenever it moved (tokens, text or finish); choice index = stream * n + sample."""
+    seen: dict[int, tuple[int, int, str | None]] = {}
+    async for p, out in merge_streams(streams):
+        for c in out.outputs:
+            i, state = p * len(out.outputs) + c.index, (len(c.token_ids), len(c.text), c.finish_reason)
+            if seen.get(i) != state:
+                seen[i] = state
+                yield i, c
+
+
+async def collect(streams: list[RequestStream], n: int) -> list[CompletionOutput]:
+    """The final output of every choice, in choice order."""
+    finals: list[CompletionOutput | None] = [None] * (len(streams) * n)
+    for stream in streams:
+        stream.allow_restart()  # a restarted request's outputs start over; only the final ones count here
+    with engine_errors():
+        async for i, c in merge_choices(streams):
+            finals[i] = c
+    return [f for f in finals if f is not None]
+
+
+async def collect_unless_disconnected(raw: Request, streams: list[RequestStream],
+                                     n: int) -> list[CompletionOutput] | None:
+    """Every choice's final output, or None when the client left first (its requests are aborted either way)."""
+    try:
+        return await unless_disconnected(raw, collect(streams, n))
+    finally:
+        cancel_all(streams)
+
+
+async def respond(raw: Request, streams: list[RequestStream], n: int, events: AsyncIterator[str] | None,
+                  body: Callable[[list[CompletionOutput]], BaseModel]) -> Response:
+    """The `events` as a stream, or without, the JSON `body` of every choice's final output (499 when the client
+    left first)."""
+    if events is not None:
+        return SSEResponse(events, streams, server_of(raw).stream_send_timeout)
+    finals = await collect_unless_disconnected(raw, streams, n)
+    if finals is None:
+        return Response(status_code=499)
+    return json_response(body(finals))
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work` unless the client hangs up first; then cancel it (aborting its requests), return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def finish_fields(c: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+# ---- server-sent events ----------------------------------------------------------------------------------
+class SSEResponse(StreamingResponse):
+    """An event stream that aborts its requests however it ends: client gone (before the first chunk too), or a
+    client that stopped reading for `send_timeout` seconds (its unread output is not kept, see AsyncRequestStream)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
+                 send_timeout: float = ServerConfig.stream_send_timeout) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.streams = streams
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = SendDeadline(send, self.send_timeout)
+        try:
+            await super().__call__(scope, receive, deadline.send)
+        except asyncio.CancelledError:
+            if not deadline.expired:
+                raise
+            asyncio.current_task().uncancel()  # our own timer's cancellation, handled here
+            logger.warning("aborting a stream: the client read nothing for %g s", self.send_timeout)
+        finally:
+            deadline.close()
+            cancel_all(self.streams)
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """A failure after the stream began: an error event (the openai client raises it), then [DONE]."""
+    return sse(ErrorResponse(error=to_api_error(exc).info))
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of one choice the stream has sent."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    started: bool = False
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice has new since its last event: text, and tokens from `first_token` on."""
+
+    index: int
+    output: CompletionOutput
+    text: str
+    first_token: int
+    first: bool  # the choice's first event
+
+
+async def choice_deltas(streams: list[RequestStream], sent: list[ChoiceProgress],
+                        logprobs: bool) -> AsyncIterator[ChoiceDelta]:
+    """Each choice's new text as it comes (and, with `logprobs`, new tokens even without new text), and its finish."""
+    async for i, c in merge_choices(streams):
+        progress = sent[i]
+        text = c.text[progress.text_len:]
+        if not (text or c.finish_reason or (logprobs and len(c.token_ids) > progress.num_tokens)):
+            continue
+        delta = ChoiceDelta(i, c, text, progress.num_tokens, not progress.started)
+        progress.text_len, progress.num_tokens, progress.started = len(c.text), len(c.token_ids), True
+        yield delta
+
+
+async def stream_events(streams: list[RequestStream], num_choices: int, logprobs: bool,
+                        event: Callable[[ChoiceDelta], str | None], last: Callable[[int], str | None],
+                        first: Iterable[str] = ()) -> AsyncIterator[str]:
+    """The streaming loop of chat and completions: the `first` events, then one `event` per choice delta (None:
+    nothing to send), then `last(completion tokens)` (the usage, if asked for); a failure as an error event; always
+    [DONE]; the requests aborted however it ends."""
+    sent = [ChoiceProgress() for _ in range(num_choices)]
+    try:
+        for chunk in first:
+            yield chunk
+        async for delta in choice_deltas(streams, sent, logprobs):
+            chunk = event(delta)
+            if chunk is not None:
+                yield chunk
+        chunk = last(sum(p.num_tokens for p in sent))
+        if chunk is not None:
+            yield chunk
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        cancel_all(streams)
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,33 @@
+"""`pagedllm replay TRACE`: the KV cache dashboard over a trace recorded by `pagedllm bench throughput --trace`."""
+
+from __future__ import annotations
+
+import argparse
+
+from fastapi import FastAPI
+
+from pagedllm.config import ServerConfig
+from pagedllm.entrypoints.openai.dashboard import Replay, mount
+from pagedllm.entrypoints.serve import uvicorn_server
+
+
+def build_replay_app(path: str) -> FastAPI:
+    app = FastAPI(title="pagedllm replay")
+    mount(app, Replay(path))
+    return app
+
+
+def add_replay_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="serve the KV cache dashboard over a trace of `bench throughput --trace`")
+    p.add_argument("trace", help="a JSONL trace written by `pagedllm bench throughput --trace PATH`")
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--port", type=int, default=ServerConfig.port)
+    p.set_defaults(func=cmd_replay)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    app = build_replay_app(args.trace)
+    print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
+          f"open http://{args.host}:{args.port}/dashboard")
+    uvicorn_server(app, host=args.host, port=args.port, log_level="warning").run()
+    return 0
