@@ -25,6 +25,7 @@ from pagedllm.engine.llm_engine import tokenize_prompt
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, RequestStream, ServingObserver
 from pagedllm.engine.replica import EngineReplica, ReplicaInfo, ReplicaStatus
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, Route, Router
+from pagedllm.engine.structured_output import grammar_text
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -230,8 +231,9 @@ class ReplicaPool(EngineClient):
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
-        """Nothing ahead: a replica compiles the grammar when the request reaches it (a grammar it refuses fails the
-        request's stream with the same InvalidRequestError)."""
+        """The grammar's limits checked here (a 400 before any replica sees it); a replica compiles it when the
+        request reaches it (one it refuses fails the request's stream with the same InvalidRequestError)."""
+        await asyncio.to_thread(grammar_text, spec)
 
     @property
     def num_waiting(self) -> int:

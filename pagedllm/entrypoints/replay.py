@@ -7,6 +7,7 @@ import argparse
 from fastapi import FastAPI
 
 from pagedllm.config import ServerConfig
+from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
 from pagedllm.entrypoints.openai.dashboard import Replay, mount
 from pagedllm.entrypoints.serve import uvicorn_server
 
@@ -29,5 +30,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     app = build_replay_app(args.trace)
     print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
           f"open http://{args.host}:{args.port}/dashboard")
-    uvicorn_server(app, host=args.host, port=args.port, log_level="warning").run()
+    uvicorn_server(app, host=args.host, port=args.port, log_level="warning",
+                   **uvicorn_config_kwargs(ConnectionLimits())).run()
     return 0

@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
 from pagedllm.engine.protocol import ServingObserver, SteppedEngine
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
+from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.app import build_client_app
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
@@ -60,6 +61,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     """`pagedllm serve`: the OpenAI-compatible server, with every engine flag."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     ServerConfig.add_cli_args(p)
+    ConnectionLimits.add_cli_args(p)
     add_data_parallel_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
@@ -69,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
     server = ServerConfig.from_cli_args(args)
+    connections = ConnectionLimits.from_cli_args(args)
     if args.data_parallel_size <= 0:
         raise ValueError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     set_log_levels(server)
@@ -81,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(engine, names, server, model_path=args.model or engine.model_name,
                         engine_factory=functools.partial(LLMEngine, config))
     uvicorn_server(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
-                   timeout_keep_alive=server.timeout_keep_alive).run()
+                   timeout_keep_alive=server.timeout_keep_alive, **uvicorn_config_kwargs(connections)).run()
     return 0
 
 

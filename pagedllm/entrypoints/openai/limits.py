@@ -2,8 +2,9 @@
 ASGI middleware, before FastAPI parses anything), the time a stream may wait for its client to read, and a small
 thread pool for the work that grows with a request (tokenizing and rendering long prompts), off the event loop.
 
-uvicorn holds a connection's headers to 16 KiB (h11's limit) and closes idle keep-alive connections after
---timeout-keep-alive; a client that sends its headers slowly holds one socket and no engine resource.
+What a connection may hold before a request exists (its headers' size and time, the number of connections) is
+bounded below the app, in uvicorn's protocol (entrypoints/http_limits.py); idle keep-alive connections close after
+--timeout-keep-alive.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     now,
 )
-from pagedllm.entrypoints.openai.response_format import tool_mode
+from pagedllm.entrypoints.openai.response_format import tool_names
 from pagedllm.entrypoints.openai.serving import (
     ChoiceDelta,
     ServerContext,
@@ -111,7 +111,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
     params = sampling_params(req, max_tokens, top_n)
-    tools = tool_mode(req) != "none"
+    tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
                                 "messages")
@@ -128,13 +128,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
 
     return await respond(raw, streams, req.n, events, body)
 
-def chat_message(c: CompletionOutput, tools: bool) -> dict[str, Any]:
+def chat_message(c: CompletionOutput, tools: frozenset[str]) -> dict[str, Any]:
     """A choice's message and finish fields: with tools, the calls parsed out of the text (finish_reason
     "tool_calls" when the model ended after writing some)."""
     fields = finish_fields(c)
     if not tools:
         return {"message": ChatResponseMessage(content=c.text), **fields}
-    content, calls = parse_tool_calls(c.text)
+    content, calls = parse_tool_calls(c.text, names=tools)
     if calls and c.finish_reason == "stop":
         fields["finish_reason"] = "tool_calls"
     return {"message": ChatResponseMessage(
@@ -152,11 +152,12 @@ def tool_call_deltas(stream: ToolCallStream, calls: list) -> list[DeltaToolCall]
 
 
 def chat_events(req: ChatCompletionRequest, request_id: str, model: str, prompt: list[int],
-                top_n: int | None, streams: list[RequestStream], tools: bool = False) -> AsyncIterator[str]:
+                top_n: int | None, streams: list[RequestStream],
+                tools: frozenset[str] = frozenset()) -> AsyncIterator[str]:
     """The role first, as OpenAI does, before any token is ready; then content deltas (with tools: the content
     outside the calls as it comes, each call once it is complete); then the usage if asked for."""
     created = now()
-    calls = [ToolCallStream() for _ in range(req.n)]
+    calls = [ToolCallStream(names=tools) for _ in range(req.n)]
 
     def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
