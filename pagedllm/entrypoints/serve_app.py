@@ -15,10 +15,10 @@ distinction between streamed and unstreamed requests is not made.
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import FastAPI
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedllm.config import EngineConfig, ServerConfig
@@ -142,39 +142,38 @@ class ServeStream(RequestStream):
         """Serve does not start a request over on another replica."""
 
 
-# Facts of the engine deployment, by app key, in the ingress replica's process. Serve pickles the FastAPI app and the
-# ingress class apart, so the app's client and the one the ingress binds are two copies; they meet here.
-BOUND: dict[str, dict[str, Any]] = {}
-
-
 class ServeEngineClient(EngineClient):
     """The engine client the OpenAI app expects, over a handle to the engine deployment (bound in the ingress
     replica, where the handle exists)."""
 
     def __init__(self, model: str | None) -> None:
         self.model = model
-        self.key = uuid.uuid4().hex
-        self.is_alive = True  # Serve checks the replicas' health itself
+        self.bound: dict[str, Any] = {}  # the engine deployment's facts, once the ingress replica has its handle
 
     async def bind(self, handle: Any) -> None:
         info = await handle.info.remote()
-        BOUND[self.key] = {**info, "handle": handle.options(stream=True), "tokenizer": load_tokenizer(self.model)}
+        self.bound = {**info, "handle": handle.options(stream=True), "tokenizer": load_tokenizer(self.model)}
+
+    @property
+    def is_alive(self) -> bool:
+        """Serve checks the replicas' health itself."""
+        return True
 
     @property
     def tokenizer(self) -> Any:
-        return BOUND[self.key]["tokenizer"]
+        return self.bound["tokenizer"]
 
     @property
     def max_model_len(self) -> int:
-        return BOUND[self.key]["max_model_len"]
+        return self.bound["max_model_len"]
 
     @property
     def vocab_size(self) -> int:
-        return BOUND[self.key]["vocab_size"]
+        return self.bound["vocab_size"]
 
     @property
     def model_name(self) -> str:
-        return BOUND[self.key]["model_name"]
+        return self.bound["model_name"]
 
     @property
     def max_prompt_chars(self) -> int:
@@ -212,7 +211,7 @@ class ServeEngineClient(EngineClient):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ServeStream:
         ids = self.tokenize_prompt(prompt)
-        return ServeStream(BOUND[self.key]["handle"].generate.remote(request_id, ids, params), request_id)
+        return ServeStream(self.bound["handle"].generate.remote(request_id, ids, params), request_id)
 
 
 def serve_app(model: str | None = None, num_replicas: int = 2, threads: int = 1, block_size: int = 16,
@@ -233,15 +232,19 @@ def serve_app(model: str | None = None, num_replicas: int = 2, threads: int = 1,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRequestRouter,
             request_router_kwargs={"block_size": block_size, "margin": routing_margin})).bind(config)
-    client = ServeEngineClient(model)
     name = served_model_name or model or "default"
-    app = build_client_app(client, EngineStats(name), [name], model_path=model)
 
+    # The app is built in the ingress replica, after its constructor bound the client to the engine's handle: a
+    # FastAPI app built here would be pickled with its thread pools and locks, which Serve refuses.
     @serve.deployment(name="PagedLLMIngress", ray_actor_options={"num_cpus": 0})
-    @serve.ingress(app)
+    @serve.ingress()
     class Ingress:
         async def __init__(self, handle: Any) -> None:  # Serve awaits an async constructor
-            await client.bind(handle)
+            self.client = ServeEngineClient(model)
+            await self.client.bind(handle)
+
+        def __serve_build_asgi_app__(self) -> FastAPI:
+            return build_client_app(self.client, EngineStats(name), [name], model_path=model)
 
     return Ingress.bind(engine)
 
