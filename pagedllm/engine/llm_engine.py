@@ -255,7 +255,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, process its tokens, commit. A request the step fails on fails alone
+        """Schedule, run the model once, commit, process its tokens. A request the step fails on fails alone
         (pop_failed_requests); an error that escapes means the engine must be replaced."""
         with self.timer.part("schedule"):
             plan = self.scheduler.schedule()
