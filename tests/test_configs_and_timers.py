@@ -3,11 +3,14 @@ Python: no model)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import pagedllm
 from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core.baselines import ReservingScheduler, StaticBatching, make_scheduler
 from pagedllm.core.scheduler import Scheduler
@@ -76,3 +79,21 @@ def test_no_timer_wraps_nothing():
     with NO_TIMER.part("schedule"):
         pass
     assert NO_TIMER.seconds == {} and NO_TIMER.calls == {}
+
+
+def test_no_module_replaces_another_modules_names_at_run_time():
+    """The timers used to patch llama's functions process-wide; now nothing in the package calls setattr / delattr
+    or assigns to a name of a module it imported."""
+    offenders = []
+    for path in sorted(Path(pagedllm.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr",
+                                                                                                    "delattr"):
+                offenders.append(f"{path.name}:{node.lineno}")
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            offenders += [f"{path.name}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute)
+                          and isinstance(t.value, ast.Name) and t.value.id in modules]
+    assert not offenders
