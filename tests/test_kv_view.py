@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 from test_scheduler import Sim, make_seq
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.kv_events import KVRecorder
 from pagedllm.core.kv_view import CACHED, FREE, RESERVED, SHARED, USED, KVSnapshot, KVView
@@ -138,7 +139,8 @@ def test_preempted_requests_and_the_preempt_event() -> None:
 
 
 def test_reservations_show_as_reserved_until_tokens_fill_them() -> None:
-    sched = make_scheduler("reserve-max", "continuous", 16, 4, False, 4, 64, 32)
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, block_size=4,
+                                           enable_prefix_caching=False, kv_policy="reserve-max"), 16)
     view = KVView(sched)
     assert view.kv_policy == "reserve-max"
     seq = make_seq("r", 5, 10)

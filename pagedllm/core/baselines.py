@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Hashable
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager, blocks_for
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, Writes
@@ -113,12 +114,14 @@ class StaticReservingScheduler(StaticBatching, ReservingScheduler):
     """Static batching with contiguous reservations: the paper's Orca baselines as Orca ran them."""
 
 
-def make_scheduler(kv_policy: str, batching: str, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None) -> Scheduler:
-    """The scheduler (and its block manager) for a memory policy and a batching mode."""
-    limits = (max_num_seqs, max_num_batched_tokens, max_model_len)
-    if kv_policy == "paged":
-        cls = StaticBatching if batching == "static" else Scheduler
-        return cls(BlockManager(num_blocks, block_size, enable_prefix_caching), *limits)
-    cls = StaticReservingScheduler if batching == "static" else ReservingScheduler
-    return cls(ReservingBlockManager(num_blocks, block_size), *limits, kv_policy=kv_policy)
+def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:
+    """The scheduler (and its block manager) for a memory policy and a batching mode; `config.max_model_len` is the
+    resolved one (None: what the pool holds)."""
+    limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+    if config.kv_policy == "paged":
+        cls = StaticBatching if config.batching == "static" else Scheduler
+        speculation = (config.num_speculative_tokens, config.speculative_disable_by_batch_size) \
+            if config.speculates else (0, 0)
+        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits, *speculation)
+    cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
+    return cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)

@@ -44,3 +44,40 @@ def slots_and_tokens(bm: BlockManager, num_stored: Mapping[Hashable, int]) -> tu
             tails[table[full]] = bs - part
     held = bm.pool.num_used * bs
     return held, held - unused * bs - sum(tails.values())
+
+
+@dataclass
+class EngineCounters:
+    """What the engine did with its KV blocks so far (prefix cache figures are in tokens)."""
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    blocks_in_use: int
+    blocks_cached_free: int
+    num_total_blocks: int
+    cow_copies: int
+    preemptions: int
+    kv_slots_held: int  # last step: KV token slots in blocks held by running sequences (a shared block once)
+    kv_tokens_stored: int  # last step: tokens stored in them
+    kv_slots_held_sum: int  # summed over steps
+    kv_tokens_stored_sum: int
+    kv_steps: int  # steps summed
+    peak_num_running: int  # most sequences running in one step
+    spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
+    spec_accepted_tokens: int = 0
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Share of the held KV slots that stored nothing, over the run so far (tails of last blocks under paging,
+        unused reservations under the reservation policies)."""
+        return 1 - self.kv_tokens_stored_sum / self.kv_slots_held_sum if self.kv_slots_held_sum else 0.0
+
+    @property
+    def last_step_kv_waste_fraction(self) -> float:
+        """The same share in the last step alone (the server's gauge)."""
+        return 1 - self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
+        return self.blocks_in_use / self.num_total_blocks if self.num_total_blocks else 0.0

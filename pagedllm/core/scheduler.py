@@ -17,7 +17,8 @@ class Scheduler:
     newest group is preempted and recomputed later. A sequence without blocks starts after its longest cached prefix."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_speculative_tokens: int = 0,
+                 speculative_max_running: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -26,9 +27,9 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         # Speculative decoding (prompt lookup): up to this many proposed tokens per greedy decode, while at most
-        # `speculative_max_running` sequences run and none waits; 0 turns it off (the engine sets both).
-        self.num_speculative_tokens = 0
-        self.speculative_max_running = 0
+        # `speculative_max_running` sequences run and none waits; 0 turns it off.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_max_running = speculative_max_running
         self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
 
     def schedule(self) -> SchedulerOutput:

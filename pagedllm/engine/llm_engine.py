@@ -3,75 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.baselines import make_scheduler
+from pagedllm.core.kv_stats import EngineCounters as EngineCounters  # stats() returns it, imported from here
 from pagedllm.core.kv_stats import KVUsage
 from pagedllm.core.kv_view import KVSnapshot, KVView
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.faults import FaultInjector
+from pagedllm.engine.isolation import EngineBrokenError as EngineBrokenError  # raised by step(), imported from here
+from pagedllm.engine.isolation import StepIsolation
+from pagedllm.engine.output_processor import Emitted, OutputProcessor, request_output
 from pagedllm.engine.step_timers import StepTimers
-from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager, advance_grammar
+from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import ModelConfig
 from pagedllm.model.loader import load_tokenizer as load_tokenizer  # entrypoints load tokenizers through the engine
 from pagedllm.model.model_runner import ModelRunner
-from pagedllm.model.sampler import GrammarMask, SamplerOutput
-from pagedllm.model.tokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.model.sampler import SamplerOutput
+from pagedllm.model.timing import NO_TIMER, PartTimer
+from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
-MAX_FAILED_STEPS_IN_A_ROW = 8  # steps in which nothing ran: the model fails whatever it runs
-
-
-class EngineBrokenError(RuntimeError):
-    """The engine cannot go on (its state is inconsistent, or the model fails on every request): replace it."""
-
-
-@dataclass
-class EngineCounters:
-    """What the engine did with its KV blocks so far (prefix cache figures are in tokens)."""
-
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    blocks_in_use: int
-    blocks_cached_free: int
-    num_total_blocks: int
-    cow_copies: int
-    preemptions: int
-    kv_slots_held: int  # last step: KV token slots in blocks held by running sequences (a shared block once)
-    kv_tokens_stored: int  # last step: tokens stored in them
-    kv_slots_held_sum: int  # summed over steps
-    kv_tokens_stored_sum: int
-    kv_steps: int  # steps summed
-    peak_num_running: int  # most sequences running in one step
-    spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
-    spec_accepted_tokens: int = 0
-
-    @property
-    def kv_waste_fraction(self) -> float:
-        """Share of the held KV slots that stored nothing, over the run so far (tails of last blocks under paging,
-        unused reservations under the reservation policies)."""
-        return 1 - self.kv_tokens_stored_sum / self.kv_slots_held_sum if self.kv_slots_held_sum else 0.0
-
-    @property
-    def last_step_kv_waste_fraction(self) -> float:
-        """The same share in the last step alone (the server's gauge)."""
-        return 1 - self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
-        return self.blocks_in_use / self.num_total_blocks if self.num_total_blocks else 0.0
 
 
 @dataclass
@@ -118,23 +79,20 @@ class LLMEngine:
         self.model_config: ModelConfig = self.runner.model_config
         self.eos_token_ids = set(self.runner.eos_token_ids)
         self.max_model_len = self._max_model_len(self.runner.num_blocks)
-        self.scheduler = make_scheduler(config.kv_policy, config.batching, self.runner.num_blocks, config.block_size,
-                                        config.enable_prefix_caching, config.max_num_seqs,
-                                        config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = make_scheduler(dataclasses.replace(config.scheduler_config, max_model_len=self.max_model_len),
+                                        self.runner.num_blocks)
         self.block_manager = self.scheduler.block_manager
-        if config.kv_policy == "paged" and config.batching == "continuous":  # the baselines reserve exact lengths
-            self.scheduler.num_speculative_tokens = config.num_speculative_tokens
-            self.scheduler.speculative_max_running = config.speculative_disable_by_batch_size
         self.num_draft_tokens = 0  # proposed tokens verified, and those accepted (vLLM's spec_decode counters)
         self.num_accepted_tokens = 0
         self.kv_usage = KVUsage()
         self.groups: dict[str, SequenceGroup] = {}
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.matchers: dict[int, Any] = {}  # by seq_id: the grammar state of structured-output sequences
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.structured)
+        self.isolation = StepIsolation(lambda plan: self._run(plan, whole_step=False), self._fail_request,
+                                       self.block_manager.check)
+        self.timer: PartTimer = NO_TIMER  # a StepTimers inside step_timers()
         self.observers: list[StepObserver] = []
         self.failed: dict[str, BaseException] = {}  # requests a step failed on, until pop_failed_requests()
-        self.failed_steps_in_a_row = 0
         # No text longer than this can fit: no token is longer (a tokenizer that deletes characters would need more)
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
         self.num_generated_tokens = 0  # every sample's, as /metrics' generation_tokens counts them
@@ -180,10 +138,7 @@ class LLMEngine:
         group = SequenceGroup.make(seq)
         self.runner.add_sequences(group.seqs)  # per-request state now: a failure is this request's
         self.groups[request_id] = group
-        for s in group.seqs:
-            self.detokenizers[s.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        for s, matcher in zip(group.seqs, matchers):  # every sample starts in the grammar's start state
-            self.matchers[s.seq_id] = matcher
+        self.output_processor.add(group.seqs, matchers)
         self.scheduler.add(group)
         return seq
 
@@ -196,13 +151,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
         group = self.groups.get(request_id)
-        if group is None:
-            return None
-        for seq in group.seqs:
-            if not seq.is_finished:
-                seq.finish("abort")
-        self._release_finished(group)
-        return self._output(group)
+        return self._abort(group) if group is not None else None
 
     def fail_running(self) -> list[RequestOutput]:
         """Abort every running request (after a failed step); their final outputs, blocks back in the pool."""
@@ -290,49 +239,69 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def step_timers(self) -> Iterator[StepTimers]:
-        """Time the parts of every step run inside the block (a benchmark's breakdown; off the hot path otherwise)."""
-        with StepTimers(self) as timers:
+        """Time the parts of every step run inside the block (a benchmark's breakdown): the engine, the output
+        processor, the model runner and the model each run their parts under the timer while it is set."""
+        timers = StepTimers()
+        self._set_timer(timers)
+        try:
             yield timers
+        finally:
+            self._set_timer(NO_TIMER)
+
+    def _set_timer(self, timer: PartTimer) -> None:
+        self.timer = timer
+        self.output_processor.set_timer(timer)
+        self.runner.set_timer(timer)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of every request that got a token. A request the
-        step fails on fails alone (pop_failed_requests); an error that escapes means the engine must be replaced."""
-        plan = self.scheduler.schedule()
+        """Schedule, run the model once, commit, process its tokens. A request the step fails on fails alone
+        (pop_failed_requests); an error that escapes means the engine must be replaced."""
+        with self.timer.part("schedule"):
+            plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        if self.faults is not None:
-            self.faults.check_engine(plan)
-        blocks_in_use = self.block_manager.pool.num_used
-        now = time.time()
-        for s in plan.scheduled:
-            s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
+        blocks_in_use = self._start(plan)
         try:
             outputs = self._run(plan)
         except Exception as error:
-            outputs = self._isolate(plan, error)
+            groups = list(dict.fromkeys(self.groups[s.seq.request_id] for s in plan.scheduled))
+            outputs = self.isolation.rerun(plan, groups, error)
             self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         if self.observers:
-            record = StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
-                                outputs)
-            for observer in self.observers:
-                observer(record)
+            self._notify(StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
+                                    outputs))
         return outputs
+
+    def _start(self, plan: SchedulerOutput) -> int:
+        """Stamp first-scheduled times; the blocks in use while the step holds them (for its StepRecord)."""
+        if self.faults is not None:
+            self.faults.check_engine(plan)
+        now = time.time()
+        for s in plan.scheduled:
+            s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
+        return self.block_manager.pool.num_used
 
     def _run(self, plan: SchedulerOutput, whole_step: bool = True) -> list[RequestOutput]:
         """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
         if self.faults is not None:
             self.faults.check_model_step(plan)
-        sampled = self.runner.execute(plan, self._grammar_mask(plan.sampling_rows) if self.matchers else None)
+        sampled = self.runner.execute(plan, self.output_processor.grammar_mask(plan))
         emitted = self._accept_drafts(plan, sampled) if sampled is not None else []
-        self.scheduler.commit(plan)
-        if whole_step:  # KV held vs stored, before finished sequences leave (a failed step counts once, at its end)
-            self.kv_usage.record_step(self.block_manager, self.scheduler.running)
+        with self.timer.part("schedule"):
+            self.scheduler.commit(plan)
+            if whole_step:  # KV held vs stored, before finished sequences leave (a failed step counts at its end)
+                self.kv_usage.record_step(self.block_manager, self.scheduler.running)
         if sampled is None:
             return []
-        return self._process_outputs(emitted, sampled)
+        with self.timer.part("output"):
+            return self._process(emitted, sampled)
 
-    def _accept_drafts(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[tuple[Sequence, int, int]]:
+    def _notify(self, record: StepRecord) -> None:
+        for observer in self.observers:
+            observer(record)
+
+    def _accept_drafts(self, plan: SchedulerOutput, sampled: SamplerOutput) -> Emitted:
         """(sequence, its first row, tokens it gets) per sampler. A speculative decode keeps its proposed tokens up
         to the first the model's own pick differs from, and gets those picks plus the next one: exactly the tokens
         one-token greedy steps would give. Its `draft` and chunk are cut to what was accepted (commit's input)."""
@@ -355,158 +324,28 @@ class LLMEngine:
         self.num_generated_tokens += sum(n for _, _, n in emitted)
         return emitted
 
-    # ---- a failed step ----------------------------------------------------------------------------
-    def _isolate(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        """Rerun the failed step's requests in parts (those already decoding apart from those still in their prompt,
-        then halves) until each part runs or is one request, which fails alone. Nothing was committed, so a part
-        recomputes its chunk exactly; the others keep their tokens and blocks."""
-        groups = list(dict.fromkeys(self.groups[s.seq.request_id] for s in plan.scheduled))
-        logger.warning("a step of %d requests failed (%r); rerunning it in parts to find the request at fault",
-                       len(groups), error)
-        outputs: list[RequestOutput] = []
-        failed: list[SequenceGroup] = []
-        decoding = [g for g in groups if g.is_decoding]
-        prompts = [g for g in groups if not g.is_decoding]  # the newest admissions are here
-        parts = [decoding, prompts] if decoding and prompts else self._halves(groups)
-        for part in parts if len(groups) > 1 else []:
-            self._run_part(plan, part, outputs, failed)
-        if len(groups) == 1:
-            self._fail_request(groups[0], error)
-            failed.append(groups[0])
-        outputs += [self._output(g) for g in failed]
-        self.block_manager.check()  # a failure must leave the pool consistent, or the engine is replaced
-        if len(failed) == len(groups):
-            self.failed_steps_in_a_row += 1
-            if len(groups) > 1 or self.failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-                raise EngineBrokenError(f"the model failed on every request of {self.failed_steps_in_a_row} "
-                                        f"step(s) in a row, even alone: {error!r}") from error
-        else:
-            self.failed_steps_in_a_row = 0
-        return outputs
+    def _process(self, emitted: Emitted, sampled: SamplerOutput) -> list[RequestOutput]:
+        """The tokens through the output processor; a request that raised there fails alone; finished samples go."""
+        touched = [(self.groups[request_id], error)
+                   for request_id, error in self.output_processor.process(emitted, sampled).items()]
+        for group, error in touched:
+            if error is not None:
+                self._fail_request(group, error)
+            else:
+                self._release_finished(group)
+        return [request_output(group) for group, _ in touched]
 
-    def _run_part(self, plan: SchedulerOutput, part: list[SequenceGroup], outputs: list[RequestOutput],
-                  failed: list[SequenceGroup]) -> None:
-        sub = self._subplan(plan, part)
-        try:
-            outputs += self._run(sub, whole_step=False)
-        except Exception as error:
-            if len(part) > 1:
-                for half in self._halves(part):
-                    self._run_part(plan, half, outputs, failed)
-                return
-            logger.error("request %s failed its step alone; failing it: %r", part[0].request_id, error)
-            self._fail_request(part[0], error)
-            failed.append(part[0])
+    def _fail_request(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
+        """Abort the request and keep why, for pop_failed_requests; its final output."""
+        self.failed[group.request_id] = error
+        return self._abort(group)
 
-    @staticmethod
-    def _halves(groups: list[SequenceGroup]) -> list[list[SequenceGroup]]:
-        return [groups[:len(groups) // 2], groups[len(groups) // 2:]]
-
-    @staticmethod
-    def _subplan(plan: SchedulerOutput, part: list[SequenceGroup]) -> SchedulerOutput:
-        """The plan's share of `part`, with the copy-on-write copies into its own blocks (copying again is
-        harmless: the source blocks' shared prefix has not changed)."""
-        seqs = {id(seq) for g in part for seq in g.seqs}
-        scheduled = [s for s in plan.scheduled if id(s.seq) in seqs]
-        own = {b for s in scheduled for b in s.block_table}
-        return SchedulerOutput(budget=0, scheduled=scheduled, copies=[c for c in plan.copies if c[1] in own])
-
-    def _fail_request(self, group: SequenceGroup, error: BaseException) -> None:
+    def _abort(self, group: SequenceGroup) -> RequestOutput:
         for seq in group.seqs:
             if not seq.is_finished:
                 seq.finish("abort")
         self._release_finished(group)
-        self.failed[group.request_id] = error
-
-    # ---- outputs ----------------------------------------------------------------------------------
-    def _grammar_mask(self, sampling: list[Sequence]) -> GrammarMask | None:
-        """The next tokens each structured-output sequence's grammar allows, for its sampling row; None if no
-        sequence of the step has a grammar."""
-        rows = [(row, m) for row, seq in enumerate(sampling) if (m := self.matchers.get(seq.seq_id)) is not None]
-        if not rows:
-            return None
-        return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64),
-                           self.structured.fill_bitmask([m for _, m in rows]))
-
-    def _process_outputs(self, emitted: list[tuple[Sequence, int, int]], sampled: SamplerOutput,
-                         ) -> list[RequestOutput]:
-        """Each sampled token through the stop checks and the detokenizer, in order (a sequence that stops drops the
-        rest of its step's tokens); a request that raises here fails alone."""
-        touched: dict[str, SequenceGroup] = {}
-        errors: dict[str, Exception] = {}
-        for seq, first_row, count in emitted:
-            if seq.request_id in errors:
-                continue
-            try:
-                for row in range(first_row, first_row + count):
-                    if not seq.is_finished:
-                        self._process_token(seq, sampled, row)
-            except Exception as e:
-                logger.exception("request %s failed while its token was processed", seq.request_id)
-                errors[seq.request_id] = e
-            touched.setdefault(seq.request_id, self.groups[seq.request_id])
-        for request_id, error in errors.items():
-            self._fail_request(touched[request_id], error)
-        for group in touched.values():
-            self._release_finished(group)
-        return [self._output(group) for group in touched.values()]
-
-    def _process_token(self, seq: Sequence, sampled: SamplerOutput, row: int) -> None:
-        token = int(sampled.token_ids[row])
-        seq.append_token(token, float(sampled.logprobs[row]))
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(seq, token, sampled, row))
-        now = time.time()
-        seq.metrics.first_token_time = seq.metrics.first_token_time or now
-        matcher = self.matchers.get(seq.seq_id)
-        grammar_done = matcher is not None and self._advance_grammar(seq, matcher, token)
-        if self._is_stop_token(seq, token):  # its text is not part of the output
-            seq.finish("stop", token if token in seq.params.stop_token_ids else None)
-        else:
-            delta = self.detokenizers[seq.seq_id].step([token])
-            seq.output_text += delta
-            self._check_stop_strings(seq, len(delta))
-        if not seq.is_finished and grammar_done:  # only EOS could follow: end now, without a step for it
-            seq.finish("stop")
-        if not seq.is_finished and (seq.num_output_tokens >= seq.max_tokens):
-            seq.finish("length")
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, matcher: Any, token: int) -> bool:
-        """Move the sequence's grammar past its new token; True when the grammar is complete. A token the grammar
-        refuses fails the request (structured_output.advance_grammar): the output could not be what it asked for."""
-        return advance_grammar(matcher, token)
-
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        p = seq.params
-        if seq.num_output_tokens <= p.min_tokens:  # the sampler masked stop tokens until now
-            return False
-        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-
-    def _check_stop_strings(self, seq: Sequence, new_chars: int) -> None:
-        """Search only the tail a new token could have completed; cut the text at the stop string."""
-        p = seq.params
-        if not p.stop_list or seq.num_output_tokens < p.min_tokens:
-            return
-        for stop in p.stop_list:
-            at = seq.output_text.find(stop, max(0, len(seq.output_text) - new_chars - len(stop) + 1))
-            if at != -1:
-                end = at + len(stop) if p.include_stop_str_in_output else at
-                seq.output_text = seq.output_text[:end]
-                seq.finish("stop", stop)
-                return
-
-    def _logprob_entry(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> dict[int, Logprob]:
-        """The chosen token's logprob and rank, plus the request's top-k alternatives, as vLLM reports them."""
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(float(sampled.logprobs[row]), int(sampled.ranks[row]),
-                                decode([token], skip_special_tokens=False))}
-        if sampled.top_logprobs is not None and seq.params.logprobs:
-            ids, values = sampled.top_logprobs
-            k = seq.params.logprobs
-            for rank, (tid, val) in enumerate(zip(ids[row, :k].tolist(), values[row, :k].tolist()), start=1):
-                entry.setdefault(tid, Logprob(val, rank, decode([tid], skip_special_tokens=False)))
-        return entry
+        return request_output(group)
 
     def _release_finished(self, group: SequenceGroup) -> None:
         """Blocks, generators and detokenizers of finished samples go at once; the group when all are done."""
@@ -514,27 +353,10 @@ class LLMEngine:
         for seq in group.seqs:
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
-                self.detokenizers.pop(seq.seq_id, None)
-                self.matchers.pop(seq.seq_id, None)
+                self.output_processor.release(seq.seq_id)
         if group.is_finished:
             group.seqs[0].metrics.finished_time = time.time()
             self.groups.pop(group.request_id, None)
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        first = group.seqs[0]
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids,
-                             [self._completion(seq) for seq in group.seqs], group.is_finished, first.metrics)
-
-    @staticmethod
-    def _completion(seq: Sequence) -> CompletionOutput:
-        text = seq.output_text
-        holdback = max((len(s) for s in seq.params.stop_list), default=1) - 1
-        if not seq.is_finished and holdback:
-            text = text[:max(0, len(text) - holdback)]  # a stop string may still complete here
-        return CompletionOutput(
-            index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs and list(seq.logprobs),
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def check_invariants(self) -> None:
         self.block_manager.check()

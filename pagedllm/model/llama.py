@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ from pagedllm.model.layers import (
 )
 from pagedllm.model.loader import ModelConfig, Q4Weight
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
+from pagedllm.model.timing import NO_TIMER, PartTimer
 
 # input channels of the int8 lm_head computed from the plain weight (Int8Weight.mm); 16 of 576 here brought its top-5
 # logprob error from 1.17-1.26x plain bf16's to about 1x (`python docs/scripts/outlier_channels_gate.py`)
@@ -41,6 +42,18 @@ class AttentionMetadata:
 
 
 Weight = torch.Tensor | PackedWeight
+
+
+@dataclass
+class ForwardOps:
+    """The functions a forward calls, held per model, so that a timer (bench latency) hands it timed ones."""
+
+    linear: Callable[..., torch.Tensor]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., torch.Tensor]
+    swiglu: Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -80,6 +93,13 @@ class LlamaModel:
         self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
+        self.set_timer(NO_TIMER)
+
+    def set_timer(self, timer: PartTimer) -> None:
+        """Run the forward's kernels as `timer`'s parts; NO_TIMER gives the plain functions back."""
+        t = timer.timed
+        self.ops = ForwardOps(t("linear", linear), t("rotary", self.rotary), t("kv_write", write_kv),
+                              t("attention", paged_attention), t("norm", add_rms_norm), t("activation", swiglu))
 
     def _layer(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
@@ -122,29 +142,29 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        eps, ext = self.config.rms_norm_eps, self.ext
+        eps, ext, ops = self.config.rms_norm_eps, self.ext, self.ops
         residual = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         delta = None  # what the previous sublayer adds to it
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = add_rms_norm(delta, residual, layer.input_norm, eps, ext)
+            x = ops.add_rms_norm(delta, residual, layer.input_norm, eps, ext)
             delta = self._attention(layer, x, positions, meta, k_cache, v_cache)
-            x = add_rms_norm(delta, residual, layer.post_norm, eps, ext)
-            delta = linear(swiglu(linear(x, layer.gate_up_weight), ext), layer.down_weight)
-        return add_rms_norm(delta, residual, self.norm, eps, ext)
+            x = ops.add_rms_norm(delta, residual, layer.post_norm, eps, ext)
+            delta = ops.linear(ops.swiglu(ops.linear(x, layer.gate_up_weight), ext), layer.down_weight)
+        return ops.add_rms_norm(delta, residual, self.norm, eps, ext)
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
+        c, ops = self.config, self.ops
+        qkv = ops.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_attention_heads, c.head_dim)
         k = k.view(-1, c.num_key_value_heads, c.head_dim)
         v = v.view(-1, c.num_key_value_heads, c.head_dim)
-        q, k = self.rotary(positions, q, k, self.ext)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
-        o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+        q, k = ops.rotary(positions, q, k, self.ext)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
+        o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                             self.scale, meta.max_query_len, backend=self.attention_backend)
-        return linear(o.reshape(-1, self.q_size), layer.o_weight)
+        return ops.linear(o.reshape(-1, self.q_size), layer.o_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit

@@ -21,6 +21,7 @@ from pagedllm.model.loader import ModelConfig, load_model
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.timing import NO_TIMER, PartTimer
 from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -66,6 +67,12 @@ class ModelRunner:
                           for _ in range(c.num_hidden_layers)]
         self.prefault = KVPrefault([t for pair in self.kv_caches for t in pair])  # mapped in the background
         self.generators: dict[Hashable, torch.Generator] = {}
+        self.timer: PartTimer = NO_TIMER
+
+    def set_timer(self, timer: PartTimer) -> None:
+        """Run the step's parts (and the model's kernels) as `timer`'s parts; NO_TIMER turns timing off."""
+        self.timer = timer
+        self.model.set_timer(timer)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[ModelRunner, Tokenizer, str]:
@@ -147,20 +154,30 @@ class ModelRunner:
         """One model step; returns a token for each of the plan's sampling rows, in order (None if none sample).
         `grammar`: the tokens allowed on the structured-output rows (masked before greedy's top candidates, or before
         sampling)."""
+        timer = self.timer
         self.copy_blocks(plan.copies)
-        input_ids, positions, meta, logit_rows = self.prepare(plan)
+        with timer.part("prepare"):
+            input_ids, positions, meta, logit_rows = self.prepare(plan)
         self.prefault.run_ahead_of(int(meta.block_tables.max()))
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        with timer.part("forward_rest"):
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if len(logit_rows) == 0:
             return None
         seqs = plan.sampling_rows
-        batch = SamplingBatch.build(
-            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
-            eos_token_ids=self.eos_token_ids, grammar=grammar)
-        if batch.is_plain_greedy and self.model.ext is not None:
-            return sample_greedy_from_top(*self.model.top_logits(hidden[logit_rows], grammar), batch.banned)
-        return sample(self.model.compute_logits(hidden[logit_rows]), batch, self.rng)
+        with timer.part("sampling"):
+            batch = SamplingBatch.build(
+                [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
+                eos_token_ids=self.eos_token_ids, grammar=grammar)
+        return self.sample_tokens(hidden[logit_rows], batch, grammar)
+
+    def sample_tokens(self, hidden: torch.Tensor, batch: SamplingBatch, grammar: GrammarMask | None) -> SamplerOutput:
+        """The lm_head over the sampled rows, then a token per row; greedy picks from the top candidates alone."""
+        greedy = batch.is_plain_greedy and self.model.ext is not None
+        with self.timer.part("logits", opaque=True):  # the lm_head's matmul counts here
+            logits = self.model.top_logits(hidden, grammar) if greedy else self.model.compute_logits(hidden)
+        with self.timer.part("sampling"):
+            return sample_greedy_from_top(*logits, batch.banned) if greedy else sample(logits, batch, self.rng)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) block of the step in one batched gather/scatter per cache tensor."""
