@@ -11,8 +11,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 ARGPARSE_PRIVATE = {"_SubParsersAction", "_actions"}  # argparse has no public names for these
 MAX_LINES = 480  # "about 450": one concept per module
-# being split on rooms-engine / rooms-model; remove from here once those branches land
-KNOWN_LONG = {"pagedllm/engine/llm_engine.py", "pagedllm/model/loader.py"}
 # close_objects and check_schema, pure functions of a JSON schema that tool calls share with the grammar compiler
 ENGINE_IMPORTS_BESIDE_THE_PROTOCOL = {"pagedllm.entrypoints.openai.tool_calls": {"pagedllm.engine.structured_output",
                                                                                "pagedllm.engine.grammar_limits"}}
@@ -165,6 +163,4 @@ def test_no_module_is_too_long(path):
     """One concept per module; the benchmarks (one module per command) may run longer."""
     name = str(path.relative_to(PACKAGE.parent))
     lines = len(path.read_text().splitlines())
-    if name in KNOWN_LONG:
-        pytest.xfail(f"{name}: {lines} lines, being split")
     assert lines <= MAX_LINES, f"{name} has {lines} lines: split it by concept"
