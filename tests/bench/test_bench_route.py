@@ -11,7 +11,7 @@ import pytest
 from pagedllm.bench.route import DEFAULT_COST, CostModel, make_workload, simulate
 from pagedllm.entrypoints.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SIM = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048,
            margin=8, seed=0)
 

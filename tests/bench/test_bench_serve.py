@@ -30,7 +30,7 @@ from pagedllm.bench.serve import (
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Small and exact: float32, one thread, the reference attention (no C++ build), a 256-token context.
 TINY_SERVER_ARGS = ["--dtype", "float32", "--threads", "1", "--attention-backend", "reference", "--num-blocks", "128",
                     "--max-model-len", "256", "--disable-log-requests"]

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pagedllm.bench.serve import ServerProcess as Server
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "80"))
 
 

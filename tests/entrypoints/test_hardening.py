@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.limits import SendDeadline
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAIL_SEED, FATAL_SEED = 4242, 4343
 MAX_MODEL_LEN = 512
 

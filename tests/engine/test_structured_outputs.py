@@ -198,7 +198,7 @@ def test_sampler_masks_only_the_constrained_rows():
     params = [SamplingParams(temperature=0)] * 3
     batch = SamplingBatch.build(params, [[1]] * 3, [[]] * 3, [None] * 3, vocab,
                                 grammar=GrammarMask(torch.tensor([1]), bitmask))
-    assert batch.is_plain_greedy  # greedy under a grammar keeps the fast path (tests/test_layers.py)
+    assert batch.is_plain_greedy  # greedy under a grammar keeps the fast path (tests/model/test_layers.py)
     out = sample(logits.clone(), batch)
     assert out.token_ids.tolist() == [int(logits[0].argmax()), 70, int(logits[2].argmax())]
     assert out.logprobs[1] == pytest.approx(0.0)

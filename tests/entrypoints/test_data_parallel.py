@@ -24,7 +24,7 @@ from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.engine.replica_pool import LOCAL_RAY_ENV, NAMESPACE  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_ARGS = dict(dtype="float32", threads=1, attention_backend="reference", num_blocks=192, max_model_len=1024)
 SHARED = ("You are a careful assistant for a library. Answer every question about the catalogue in one short "
           "sentence, and say so when you do not know. The catalogue lists books, maps and recordings. ")

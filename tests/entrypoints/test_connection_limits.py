@@ -65,7 +65,7 @@ def serve(parser: str, limits: str) -> None:
 
 class Server:
     def __init__(self, parser: str, limits: ConnectionLimits | None) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                               os.environ.get("PYTHONPATH", "")])}
         arg = "plain" if limits is None else json.dumps(asdict(limits))
         self.proc = subprocess.Popen([sys.executable, __file__, parser, arg], stdout=subprocess.PIPE, env=env,

@@ -30,7 +30,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import StructuredOutputsParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ref_chain(depth: int) -> dict:
