@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from pagedllm.cpus import cpu_budget
+
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
@@ -174,7 +176,8 @@ class EngineConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        """--threads, or the CPUs this process may use (affinity and cgroup quota, not the host's core count)."""
+        return self.threads or cpu_budget().usable
 
     @classmethod
     def field_names(cls) -> list[str]:

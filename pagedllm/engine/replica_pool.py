@@ -21,6 +21,7 @@ from typing import Any
 
 import pagedllm
 from pagedllm.config import EngineConfig, ServerConfig
+from pagedllm.cpus import cpu_budget
 from pagedllm.engine.llm_engine import tokenize_prompt
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, RequestStream, ServingObserver
 from pagedllm.engine.replica import EngineReplica, ReplicaInfo, ReplicaStatus
@@ -162,7 +163,7 @@ class ReplicaPool(EngineClient):
         self.pool_config = pool_config
         self.max_waiting_requests = pool_config.max_waiting_requests
         n = pool_config.num_replicas
-        threads = config.threads or max(1, (os.cpu_count() or 1) // n)
+        threads = config.threads or max(1, cpu_budget().usable // n)
         self.config = dataclasses.replace(config, threads=threads)
         self.tokenizer = load_tokenizer(config.model)  # fails fast on a bad --model, before any replica starts
         self.owns_ray = init_ray(pool_config.ray_address)

@@ -21,6 +21,7 @@ from pagedllm.model.loader import ModelConfig, load_model
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.threads import ThreadGovernor, start_threads
 from pagedllm.model.timing import NO_TIMER, PartTimer
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.prefault = KVPrefault([t for pair in self.kv_caches for t in pair])  # mapped in the background
         self.generators: dict[Hashable, torch.Generator] = {}
         self.timer: PartTimer = NO_TIMER
+        self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
 
     def set_timer(self, timer: PartTimer) -> None:
         """Run the step's parts (and the model's kernels) as `timer`'s parts; NO_TIMER turns timing off."""
@@ -78,7 +80,7 @@ class ModelRunner:
     def from_config(cls, config: EngineConfig) -> tuple[ModelRunner, Tokenizer, str]:
         """Load the checkpoint, size the KV pool from the memory budget and build the kernels now, not on a request;
         the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
-        torch.set_num_threads(config.num_threads)
+        governor = start_threads(config.threads)
         # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
         # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
         # Read when oneDNN makes its first primitive; re-creating one costs no measurable throughput (performance.md).
@@ -103,6 +105,7 @@ class ModelRunner:
                     INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         runner = cls(model, num_blocks, config.block_size, eos, config.seed, kv_dtype)
+        runner.governor = governor
         return runner, loaded.tokenizer, loaded.name
 
     @property
@@ -155,6 +158,8 @@ class ModelRunner:
         `grammar`: the tokens allowed on the structured-output rows (masked before greedy's top candidates, or before
         sampling)."""
         timer = self.timer
+        if self.governor is not None:
+            self.governor.tick()
         self.copy_blocks(plan.copies)
         with timer.part("prepare"):
             input_ids, positions, meta, logit_rows = self.prepare(plan)

@@ -12,71 +12,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.cpus import CpuBudget, cpu_budget
+
 logger = logging.getLogger("pagedllm.model.threads")
-CGROUP = Path("/sys/fs/cgroup")
 PERIOD_S = 1.0  # how often the governor looks at the CPUs
 # A core counts as taken when others used at least this much of one over the last period: below it, the straggler's
 # waits cost less than the thread's work gives (docs/scripts/cpu_noise.py, measured on the 2-vCPU machines).
 TAKEN_CORE = 0.5
-
-
-@dataclass(frozen=True)
-class CpuBudget:
-    """The CPUs this process may use, and why: `usable` = min(affinity, the cgroup quota rounded down, >= 1)."""
-
-    usable: int
-    affinity: int
-    quota: float | None  # cores, from cpu.max (v2) or cpu.cfs_quota_us / cpu.cfs_period_us (v1); None: no quota
-
-    def describe(self) -> str:
-        quota = "no CPU quota" if self.quota is None else f"a CPU quota of {self.quota:g} cores"
-        return f"{self.usable} usable CPUs ({self.affinity} in this process's affinity, {quota})"
-
-
-def cpu_budget() -> CpuBudget:
-    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    quota = cgroup_cpu_quota()
-    usable = len(affinity) if quota is None else max(1, min(len(affinity), math.floor(quota)))
-    return CpuBudget(usable, len(affinity), quota)
-
-
-def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
-    """The CPU quota of this process's cgroup in cores, or None. Containers mount their own cgroup at the root."""
-    for folder in (root, *_own_cgroup_folders(root)):
-        quota = _read_quota_v2(folder / "cpu.max") or _read_quota_v1(folder / "cpu")
-        if quota is not None:
-            return quota
-    return None
-
-
-def _own_cgroup_folders(root: Path) -> list[Path]:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    return [root / line.split(":", 2)[2].lstrip("/") for line in lines if line.startswith("0::/") and len(line) > 4]
-
-
-def _read_quota_v2(path: Path) -> float | None:
-    try:
-        limit, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if limit == "max" else int(limit) / int(period)
-
-
-def _read_quota_v1(folder: Path) -> float | None:
-    try:
-        limit = int((folder / "cpu.cfs_quota_us").read_text())
-        period = int((folder / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if limit <= 0 or period <= 0 else limit / period
 
 
 @dataclass(frozen=True)
@@ -119,10 +67,15 @@ class ThreadGovernor:
         self.threads = budget.usable
         self.last = self.read()
         self.next_check = clock() + period
+        self.thread_id = threading.get_ident()
         set_threads(self.threads)
 
     def tick(self) -> None:
-        """Between steps: cheap unless a period has passed."""
+        """Between steps: cheap unless a period has passed. OpenMP's thread count belongs to the calling thread, so
+        the first tick on a new thread (a server steps on its own) sets it there too."""
+        if threading.get_ident() != self.thread_id:
+            self.thread_id = threading.get_ident()
+            self.set_threads(self.threads)
         if self.clock() < self.next_check:
             return
         self.next_check = self.clock() + self.period
@@ -145,3 +98,20 @@ class ThreadGovernor:
                         self.threads, threads, others, self.budget.usable, self.period)
             self.threads = threads
             self.set_threads(threads)
+
+
+def start_threads(threads: int | None) -> ThreadGovernor | None:
+    """Set torch's threads for this process: `threads` as given (a warning if more than the CPUs it may use), or,
+    by default, a governor starting with every usable CPU. Logs the choice."""
+    import torch
+
+    budget = cpu_budget()
+    if threads is not None:
+        if threads > budget.usable:
+            logger.warning("--threads %d is more than the %s: threads will wait for each other's cores",
+                           threads, budget.describe())
+        torch.set_num_threads(threads)
+        return None
+    logger.info("threads: %d, one fewer per core other processes hold (%s; --threads N fixes the count)",
+                budget.usable, budget.describe())
+    return ThreadGovernor(budget, torch.set_num_threads)

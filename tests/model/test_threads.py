@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.model.threads import CpuBudget, CpuSample, ThreadGovernor, cgroup_cpu_quota, cpu_budget
+from pagedllm.cpus import CpuBudget, cgroup_cpu_quota, cpu_budget
+from pagedllm.model.threads import CpuSample, ThreadGovernor
 
 
 class FakeCpu:
@@ -84,3 +85,16 @@ def test_the_budget_of_this_process_is_at_least_one_cpu_and_says_why() -> None:
     budget = cpu_budget()
     assert 1 <= budget.usable <= budget.affinity
     assert f"{budget.usable} usable CPUs" in budget.describe()
+
+
+def test_the_count_is_set_again_on_the_thread_that_steps() -> None:
+    """OpenMP keeps a thread count per calling thread: a server builds its engine on one thread and steps on another."""
+    import threading
+
+    cpu = FakeCpu()
+    gov, calls = governor(cpu)
+    worker = threading.Thread(target=gov.tick)
+    worker.start()
+    worker.join()
+    gov.tick()
+    assert calls == [2, 2, 2]
