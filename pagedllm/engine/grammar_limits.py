@@ -23,6 +23,10 @@ MAX_RULE_DEPTH = 200  # rules along any chain of references in a Lark / GBNF gra
 MAX_RULES = 5_000  # rules in a Lark / GBNF grammar
 MAX_REPEAT = 5_000  # nested counted repetitions ({n}, {m,n}) multiplied: a mask row of a{5000} ~1.4 ms, a{10000} ~15
 MAX_CHOICES = 10_000  # entries of a `choice` list (100,000 compiled for 135 s; 10,000 in 0.2 s)
+# What one request's grammar masks may cost each step (CPU time, all its samples' rows summed), averaged over its last
+# MASK_BUDGET_STEPS steps: over it the request fails. a{5000} costs ~1.1 ms a row, so n=32 of it ~35 ms a step.
+MAX_MASK_MS_PER_STEP = 10.0
+MASK_BUDGET_STEPS = 8
 
 
 def check_size(text: str, what: str) -> None:
