@@ -29,6 +29,18 @@ MAX_MASK_MS_PER_STEP = 10.0
 MASK_BUDGET_STEPS = 8
 
 
+def check_mask_cost(row_seconds: float, n: int) -> None:
+    """n samples of a grammar whose mask costs `row_seconds` a row (measured in its start state) within the mask
+    budget; the budget itself is enforced step by step (structured_output.MaskBudget), this refuses the plain cases
+    before a step is spent."""
+    step_ms = n * row_seconds * 1e3
+    if step_ms > MAX_MASK_MS_PER_STEP:
+        raise InvalidRequestError(
+            f"the grammar's token mask costs {row_seconds * 1e3:.2f} ms of CPU per sample: {n} samples would cost "
+            f"{step_ms:.1f} ms every step, over the limit of {MAX_MASK_MS_PER_STEP:g} ms; a simpler grammar or "
+            "fewer samples (n) fit")
+
+
 def check_size(text: str, what: str) -> None:
     """At most MAX_GRAMMAR_BYTES of valid Unicode (JSON can carry half a UTF-16 pair, "\\ud800"; llguidance
     cannot take one)."""

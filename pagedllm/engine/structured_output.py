@@ -28,6 +28,7 @@ from pagedllm.engine.grammar_limits import (
     MAX_CHOICES,
     MAX_MASK_MS_PER_STEP,
     check_lark,
+    check_mask_cost,
     check_repeats,
     check_schema,
     check_size,
@@ -124,6 +125,7 @@ class CompiledGrammar:
     matcher: llg.LLMatcher
     compile_s: float
     bytes: int = 0  # what it holds (the worker's measure, plus its text): the cache's budget counts these
+    mask_s: float = 0.0  # CPU seconds of one mask row in the start state, once its lexer states are built
 
 
 class StructuredOutputManager:
@@ -201,7 +203,7 @@ class StructuredOutputManager:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {spec.kind} for structured outputs: {short_error(matcher.get_error())}")
         held = (trial.bytes if trial else 0) + len(grammar) + len(spec.key())  # the matcher, its text, its key
-        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held)
+        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held, mask_seconds(matcher))
 
     def _add_to_cache(self, key: str, compiled: CompiledGrammar) -> None:
         """Least recently used out until the cached grammars hold at most cache_bytes (the newest always stays)."""
@@ -220,8 +222,10 @@ class StructuredOutputManager:
                 self._refused.popitem(last=False)
 
     def new_matchers(self, spec: StructuredOutputsParams, n: int) -> list[llg.LLMatcher]:
-        """One matcher per sample, each in the grammar's start state (a copy costs ~2 us)."""
+        """One matcher per sample, each in the grammar's start state (a copy costs ~2 us); n samples whose masks
+        would cost more than the mask budget from the start are refused now, not after a few steps."""
         compiled = self.compile(spec)
+        check_mask_cost(compiled.mask_s, n)
         return [compiled.matcher.deep_copy() for _ in range(n)]
 
     def fill_bitmask(self, matchers: list[llg.LLMatcher], costs: list[float] | None = None) -> torch.Tensor:
@@ -247,6 +251,16 @@ class StructuredOutputManager:
                 weakref.finalize(self, self._filler.shutdown, wait=False)
             filler = self._filler
         return filler.submit(self.fill_bitmask, matchers, costs)
+
+
+def mask_seconds(matcher: llg.LLMatcher) -> float:
+    """CPU seconds of one mask in the matcher's state (its lexer states built): the least of two, in this thread."""
+    costs = []
+    for _ in range(2):
+        start = time.thread_time()
+        matcher.compute_bitmask()
+        costs.append(time.thread_time() - start)
+    return min(costs)
 
 
 def advance_grammar(matcher: llg.LLMatcher, token: int) -> bool:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from pagedllm.engine.grammar_limits import MASK_BUDGET_STEPS, MAX_MASK_MS_PER_STEP
+from pagedllm.engine.grammar_limits import MASK_BUDGET_STEPS, MAX_MASK_MS_PER_STEP, check_mask_cost
 from pagedllm.engine.structured_output import GrammarBrokenError, MaskBudget
+from pagedllm.errors import InvalidRequestError
 from pagedllm.model.sampler import GrammarMask
 
 DATE = r"\d{4}-\d{2}-\d{2}"
@@ -121,3 +122,19 @@ def test_the_default_budget():
     are far under."""
     assert 32 * 0.05 < MAX_MASK_MS_PER_STEP < 32 * 1.1
     assert MASK_BUDGET_STEPS >= 4
+
+
+def test_samples_whose_mask_is_over_the_budget_from_the_start_are_refused(engine):
+    """The compile measures a mask row in the grammar's start state; n samples of it over the budget are a 400
+    before a step is spent, fewer samples of the same grammar are accepted."""
+    spec = StructuredOutputsParams(regex="a{5000}")
+    row_s = engine.compile_grammar(spec).mask_s
+    assert row_s > 0
+    too_many = int(MAX_MASK_MS_PER_STEP / 1e3 / row_s) + 1
+    with pytest.raises(InvalidRequestError, match=r"samples would cost .* over the limit of 10 ms"):
+        engine.add_request("many", "Write", SamplingParams(n=too_many, max_tokens=4, structured_outputs=spec))
+    assert not engine.has_unfinished_requests()
+    row_s = MAX_MASK_MS_PER_STEP / 1e3 * 0.4
+    check_mask_cost(row_s, 2)  # 80% of the limit: accepted
+    with pytest.raises(InvalidRequestError, match="3 samples"):
+        check_mask_cost(row_s, 3)
