@@ -52,6 +52,7 @@ class OutputProcessor:
         self.grammar_requests: dict[int, str] = {}  # by seq_id: the request of each sequence with a grammar
         self.mask_budget = MaskBudget()
         self._filling: PendingFill | None = None  # the step's mask, while the mask thread fills it
+        self._over_budget: dict[str, GrammarBrokenError] = {}  # requests the last fills put over the mask budget
         self.set_timer(NO_TIMER)
 
     def set_timer(self, timer: PartTimer) -> None:
@@ -86,24 +87,25 @@ class OutputProcessor:
         self._filling = PendingFill([self.grammar_requests[seq_id] for _, seq_id in rows], costs, future)
         return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64), future)
 
-    def finish_fill(self) -> dict[str, GrammarBrokenError]:
-        """Wait for the step's mask (its matchers move next), charge each request its rows' CPU time; the requests
+    def finish_fill(self) -> None:
+        """Wait for the step's mask (its matchers move next), charge each request its rows' CPU time and note those
         now over the mask budget."""
         filling, self._filling = self._filling, None
         if filling is None or filling.future.exception() is not None:  # a failed fill failed its step already
-            return {}
+            return
         costs: dict[str, float] = {}
         for request_id, seconds in zip(filling.request_ids, filling.costs):
             costs[request_id] = costs.get(request_id, 0.0) + seconds
         if len(self.mask_budget) > 2 * len(self.grammar_requests) + 64:
             self.mask_budget.keep_only(set(self.grammar_requests.values()))
-        return self.mask_budget.charge(costs)
+        self._over_budget.update(self.mask_budget.charge(costs))
 
     def process(self, emitted: Emitted, sampled: SamplerOutput) -> dict[str, Exception | None]:
         """Each sampled token through the stop checks and the detokenizer, in order (a sequence that stops drops the
         rest of its step's tokens). Every request touched, in order, with the error it raised (it fails alone)."""
         touched: dict[str, Exception | None] = {}
-        over_budget = self.finish_fill()
+        self.finish_fill()
+        over_budget, self._over_budget = self._over_budget, {}
         for seq, first_row, count in emitted:
             if touched.get(seq.request_id) is not None:
                 continue
