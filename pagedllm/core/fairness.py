@@ -87,3 +87,24 @@ class VirtualTokenCounter:
 
     def __contains__(self, group: object) -> bool:
         return isinstance(group, SequenceGroup) and group in self.queues.get(group.client, ())
+
+
+def max_service_gap(samples: list[tuple[dict[Client, float], set[Client]]]) -> float:
+    """The most one client's service gained on another's over a stretch when both were backlogged: the quantity
+    VTC bounds. `samples` are, in time order, each client's service so far and the clients that had a request
+    waiting since the sample before (a stretch starts from the sample before its first)."""
+    clients = sorted({c for served, _ in samples for c in served}, key=str)
+    gap = 0.0
+    for i, f in enumerate(clients):
+        for g in clients[i + 1:]:
+            leads = [served.get(f, 0.0) - served.get(g, 0.0) for served, _ in samples]
+            low = high = None  # the range of f's lead over g during the current stretch
+            for k, (_, backlogged) in enumerate(samples):
+                if f not in backlogged or g not in backlogged:
+                    low = high = None
+                    continue
+                if low is None or high is None:
+                    low = high = leads[k - 1] if k else 0.0
+                low, high = min(low, leads[k]), max(high, leads[k])
+                gap = max(gap, high - low)
+    return gap
