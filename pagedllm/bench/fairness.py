@@ -158,7 +158,7 @@ def summarize(policy: str, run: dict) -> dict[str, Any]:
             "light_p50_ttft_s": percentile(light_ttfts, 50), "light_p99_ttft_s": percentile(light_ttfts, 99),
             "max_service_gap": round(max_service_gap(service_samples(log, duration)), 1),
             "max_input_len": max((s.result.prompt_len for s in log), default=0),
-            "clients": client_rows(log, duration)}
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "clients": client_rows(log, duration)}
 
 
 def run_policy(policy: str, argv: list[str], w: Workload, log_dir: str, timeout: float, idle: bool) -> list[dict]:

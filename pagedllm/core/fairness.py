@@ -15,6 +15,7 @@ INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 
 Client = str | None
+KEPT_COUNTERS = 4096  # idle clients' counters kept before those at or below the lift are dropped
 
 
 class VirtualTokenCounter:
@@ -27,6 +28,7 @@ class VirtualTokenCounter:
         self.queues: dict[Client, deque[SequenceGroup]] = {}  # clients with a waiting group, in the order they came
         self.last_left = 0.0  # the counter of the last client whose queue emptied: the lift when no one waits
         self._len = 0
+        self._prune_at = KEPT_COUNTERS
 
     def counter(self, client: Client) -> float:
         return self.counters.get(client, 0.0)
@@ -44,6 +46,8 @@ class VirtualTokenCounter:
             floor = min((self.counters[c] for c in self.queues), default=self.last_left)
             self.counters[client] = max(self.counter(client), floor)
             self.queues[client] = deque()
+            if len(self.counters) > self._prune_at:
+                self._forget_idle(floor)
         self.queues[client].append(group)
         self._len += 1
 
@@ -70,6 +74,12 @@ class VirtualTokenCounter:
     def remove(self, group: SequenceGroup) -> None:
         self.queues[group.client].remove(group)
         self._forget_if_empty(group.client)
+
+    def _forget_idle(self, floor: float) -> None:
+        """Drop the counters of clients with nothing waiting that a lift would raise to `floor` anyway, so that a
+        stream of new client names holds no memory (a running client dropped restarts from 0, then is lifted)."""
+        self.counters = {c: v for c, v in self.counters.items() if c in self.queues or v > floor}
+        self._prune_at = max(KEPT_COUNTERS, 2 * len(self.counters))
 
     def _forget_if_empty(self, client: Client) -> None:
         self._len -= 1

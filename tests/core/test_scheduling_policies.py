@@ -165,6 +165,24 @@ def test_vtc_lifts_a_returning_client_to_the_least_waiting_counter():
     assert vtc.counter("d") == 100
 
 
+def test_vtc_forgets_idle_clients_a_lift_would_raise_anyway(monkeypatch):
+    monkeypatch.setattr("pagedllm.core.fairness.KEPT_COUNTERS", 8)
+    vtc = VirtualTokenCounter()
+    vtc._prune_at = 8
+    vtc.append(SequenceGroup.make(request("busy", 4, 4, client="busy")))  # always waiting, served on and on
+    vtc.charge("rich", 10_000)  # served a lot, now idle: kept
+    for i in range(40):  # one-off clients, each served a little and gone
+        g = SequenceGroup.make(request(f"x{i}", 4, 4, client=f"x{i}"))
+        vtc.append(g)  # lifted to busy's counter
+        vtc.charge(f"x{i}", 1)
+        vtc.remove(g)
+        vtc.charge("busy", 10)
+    assert len(vtc.counters) <= 16 and vtc.counter("rich") == 10_000 and len(vtc) == 1
+    late = SequenceGroup.make(request("x0", 4, 4, client="x0"))
+    vtc.append(late)  # a forgotten client comes back where a lift puts it
+    assert vtc.counter("x0") == vtc.counter("busy")
+
+
 def service_gap(cls: type[Scheduler], workload: list[tuple[int, Sequence]], num_blocks: int, block_size: int,
                     max_num_seqs: int, budget: int) -> tuple[float, int]:
     """The largest change of one client's service minus another's over a stretch when both were backlogged, and the
