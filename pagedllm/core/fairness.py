@@ -43,7 +43,7 @@ class VirtualTokenCounter:
         to leave, if none waits): idling earns no credit to spend later in a burst."""
         client = group.client
         if client not in self.queues:
-            floor = min((self.counters[c] for c in self.queues), default=self.last_left)
+            floor = min((self.counter(c) for c in self.queues), default=self.last_left)
             self.counters[client] = max(self.counter(client), floor)
             self.queues[client] = deque()
             if len(self.counters) > self._prune_at:
