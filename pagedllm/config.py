@@ -5,6 +5,7 @@ each."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, fields
@@ -15,6 +16,7 @@ from pagedllm.cpus import cpu_budget
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 
@@ -61,6 +63,11 @@ class SchedulerConfig:
     # sequences run (small steps are bound by reading the weights, big ones by FLOPs); 0 turns it off
     num_speculative_tokens: int = 4
     speculative_disable_by_batch_size: int = 16
+    # Who waits (the paged continuous scheduler; core/policies.py): fcfs (arrival; the newest preempted first),
+    # priority (a request's `priority`, lower first; lower priorities preempted first) or fair (the Virtual Token
+    # Counter: the client served least goes first); client_weights: each client's share under fair (default 1)
+    scheduling_policy: str = "fcfs"
+    client_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +98,28 @@ class SchedulerConfig:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be positive, got "
                              f"{self.speculative_disable_by_batch_size}")
+        self._validate_policy()
+
+    def _validate_policy(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.scheduling_policy != "fcfs" and (self.kv_policy != "paged" or self.batching != "continuous"):
+            raise ValueError(f"scheduling_policy {self.scheduling_policy} needs kv_policy paged, continuous batching")
+        if any(not isinstance(w, (int, float)) or w <= 0 for w in (self.client_weights or {}).values()):
+            raise ValueError("client_weights must be positive numbers")
+
+
+def load_client_weights(path: str) -> dict[str, float]:
+    """--client-weights: a JSON file of {"client": weight}, each client's share under the fair policy."""
+    try:
+        with open(path) as f:
+            weights = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read client weights from {path}: {e}") from None
+    if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+        raise argparse.ArgumentTypeError(f"{path} must hold a JSON object of client name -> positive weight")
+    return {str(k): float(v) for k, v in weights.items()}
 
 
 @dataclass
@@ -125,6 +154,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    client_weights: dict[str, float] | None = SchedulerConfig.client_weights
 
     def __post_init__(self) -> None:
         self.validate()
@@ -221,6 +252,11 @@ class EngineConfig:
         g.add_argument("--batching", default=d["batching"].default, choices=BATCHING_MODES,
                        help="continuous (a request joins or leaves at any step) or static (a new batch only once the "
                             "last one has finished)")
+        g.add_argument("--scheduling-policy", default=d["scheduling_policy"].default, choices=SCHEDULING_POLICIES,
+                       help="who waits and who is preempted: fcfs (arrival order), priority (the request's priority, "
+                            "lower first) or fair (per client, the API's `user`: the one served least goes first)")
+        g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
+                       help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -119,9 +119,12 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
-        """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler."""
+                    arrival_time: float | None = None, priority: int | None = None) -> Sequence:
+        """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler.
+        `priority` (vLLM's argument) stands for params.priority."""
         params = params or SamplingParams()
+        if priority is not None:
+            params = dataclasses.replace(params, priority=priority)
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:

@@ -30,14 +30,18 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}.
+        `priority`, one per prompt (lower first), counts under scheduling_policy="priority", as vLLM's."""
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [None] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self._add(prompt, p))
+            for prompt, p, rank in zip(prompts, params, priorities):
+                ids.append(self._add(prompt, p, rank))
             finished = self._run(len(ids), use_tqdm)
         except BaseException:  # a bad prompt or an interrupt: nothing stays queued, no block stays taken
             for request_id in ids:
@@ -100,14 +104,14 @@ class LLM:
             return list(prompt["prompt_token_ids"])
         return self.engine.tokenize_prompt(prompt)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int | None = None) -> str:
         request_id = str(self._counter)
         self._counter += 1
         if isinstance(prompt, dict):
-            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params)
+            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params, priority=priority)
             seq.prompt = prompt.get("prompt")
         else:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, priority=priority)
         return request_id
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:

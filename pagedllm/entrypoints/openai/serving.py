@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.protocol import MAX_N, ErrorResponse, SamplingR
 from pagedllm.entrypoints.openai.response_format import structured_outputs_of
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import MAX_CLIENT_CHARS, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.model.tokenizer import Tokenizer
@@ -104,7 +104,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req))
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req),
+            priority=req.priority, client=req.user[:MAX_CLIENT_CHARS] if req.user is not None else None)
     except InvalidRequestError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
