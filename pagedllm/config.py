@@ -256,11 +256,14 @@ class ServerConfig:
     no_dashboard: bool = False
     dashboard_rate: float = 4.0  # /dashboard: KV snapshots per second at most
     uvicorn_log_level: str = "info"
+    # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
+    # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                     "timeout_keep_alive"):
-            if getattr(self, flag) <= 0:
+                     "timeout_keep_alive", "default_max_tokens"):
+            if getattr(self, flag) is not None and getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
 
     @property
@@ -297,6 +300,10 @@ class ServerConfig:
         g.add_argument("--uvicorn-log-level", default=d["uvicorn_log_level"].default,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log (one line per HTTP request at info)")
+        g.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default,
+                       help="max_tokens of a request that sets none (default: the rest of the context, as OpenAI and "
+                            "vLLM; a small model can run to the end of it, thousands of tokens). A request's own "
+                            "max_tokens is never capped by it")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
