@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
 import logging
+import os
 import re
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from pagedllm.config import EngineConfig
@@ -164,16 +168,37 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with quiet_interrupt():
+        try:
+            args = build_parser().parse_args(argv)
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            return args.func(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+
+def exit_on_interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C: stop at once, quietly, with the shell's code for SIGINT (130). A KeyboardInterrupt is not enough: while
+    a model loads it can be raised inside a C++ callback, which aborts the process (std::terminate, a core dump)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.write("\n")
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def quiet_interrupt() -> Iterator[None]:
+    """exit_on_interrupt while a command runs (uvicorn puts its own graceful handler in place while it serves, and
+    hands a Ctrl-C back after); an ignored SIGINT (a background job) stays ignored, the caller's handler comes back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, exit_on_interrupt)
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: stop quietly, with the shell's code for SIGINT
-        print(file=sys.stderr)
-        return 130
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
