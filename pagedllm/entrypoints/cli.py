@@ -179,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_on_interrupt(signum: int, frame: object) -> None:
-    """Ctrl-C: stop at once, quietly, with the shell's code for SIGINT (130). A KeyboardInterrupt is not enough: while
-    a model loads it can be raised inside a C++ callback, which aborts the process (std::terminate, a core dump)."""
+    """Ctrl-C: stop at once and quietly, ended by SIGINT itself (a shell shows 130), as Python ends on an uncaught
+    KeyboardInterrupt but without its traceback. A KeyboardInterrupt is not enough: while a model loads it can be
+    raised inside a C++ callback, which aborts the process (std::terminate, a core dump)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.write("\n")
-    os._exit(130)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 @contextlib.contextmanager
