@@ -19,6 +19,7 @@ BATCHING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+KV_CACHE_DTYPE_CHOICES = KV_CACHE_DTYPES[:-1]  # the flag offers no fp8: it is always refused (validate)
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -220,20 +221,27 @@ class EngineConfig:
         d = EngineConfig.__dataclass_fields__
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-        g.add_argument("--dtype", default=d["dtype"].default, choices=["auto", "bfloat16", "float32"])
-        g.add_argument("--block-size", type=int, default=d["block_size"].default)
+        g.add_argument("--dtype", default=d["dtype"].default, choices=["auto", "bfloat16", "float32"],
+                       help="weights and activations; auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32")
+        g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d["kv_cache_memory"].default,
                        help="KV cache size, e.g. 4GiB or 512MiB (a bare number is GiB)")
         g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-        g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
-        g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
+                       help="sequences running in one step at most")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
+                       help="tokens in one step at most (prompt chunks plus decodes)")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + output tokens per sequence at most (default: the model's context, capped by "
+                            "what the KV cache holds)")
+        g.add_argument("--threads", type=int, default=None,
+                       help="torch threads (default: the CPUs this process may use, from its affinity and cgroup "
+                            "quota)")
         g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
                        help="int4: a GGUF file's 4-bit weights serve small steps as stored (bf16 only); w8a8: that, "
                             "and int8 weights and activations for every other step; auto: w8a8 for a bf16 engine on "
                             "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
-        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPES,
+        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
                             "bf16's bytes (1.6x the tokens in the same memory); auto: the model's dtype")
         g.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"].default,
@@ -242,7 +250,9 @@ class EngineConfig:
         g.add_argument("--speculative-disable-by-batch-size", type=int,
                        default=d["speculative_disable_by_batch_size"].default,
                        help="speculate only while at most this many sequences run (bigger steps are bound by FLOPs)")
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"],
+                       help="cpp: the paged attention kernel; reference: plain torch (slow, for tests); auto: cpp "
+                            "where it is built")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")
         g.add_argument("--seed", type=int, default=0, help="random seed (for generate: the request's own seed)")
@@ -282,11 +292,14 @@ class ServerConfig:
     no_dashboard: bool = False
     dashboard_rate: float = 4.0  # /dashboard: KV snapshots per second at most
     uvicorn_log_level: str = "info"
+    # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
+    # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                     "timeout_keep_alive"):
-            if getattr(self, flag) <= 0:
+                     "timeout_keep_alive", "default_max_tokens"):
+            if getattr(self, flag) is not None and getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
 
     @property
@@ -299,8 +312,8 @@ class ServerConfig:
         """The server flags (vLLM's names where they have one)."""
         d = ServerConfig.__dataclass_fields__
         g = parser.add_argument_group("server")
-        g.add_argument("--host", default=d["host"].default)
-        g.add_argument("--port", type=int, default=d["port"].default)
+        g.add_argument("--host", default=d["host"].default, help="address to listen on (0.0.0.0: every interface)")
+        g.add_argument("--port", type=int, default=d["port"].default, help="port to listen on")
         g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
                                                        "(default: $PAGEDLLM_API_KEY)")
         g.add_argument("--served-model-name", nargs="+", default=None,
@@ -321,7 +334,12 @@ class ServerConfig:
         g.add_argument("--dashboard-rate", type=float, default=d["dashboard_rate"].default,
                        help="/dashboard: KV snapshots per second at most, taken between engine steps")
         g.add_argument("--uvicorn-log-level", default=d["uvicorn_log_level"].default,
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log (one line per HTTP request at info)")
+        g.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default,
+                       help="max_tokens of a request that sets none (default: the rest of the context, as OpenAI and "
+                            "vLLM; a small model can run to the end of it, thousands of tokens). A request's own "
+                            "max_tokens is never capped by it")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:

@@ -46,7 +46,8 @@ def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats,
             workers.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, server.stream_send_timeout)
+    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, server.stream_send_timeout,
+                                     server.default_max_tokens)
     install_error_handlers(app)
     if server.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server.api_key)

@@ -43,6 +43,12 @@ class ServerContext:
     model_path: str | None
     workers: WorkerPool = dataclasses.field(default_factory=WorkerPool)
     stream_send_timeout: float = ServerConfig.stream_send_timeout
+    default_max_tokens: int | None = ServerConfig.default_max_tokens
+
+    def max_tokens(self, asked: int | None) -> int | None:
+        """A request's max_tokens, or the server's --default-max-tokens when it sets none (None: to the context's
+        end). Only what the client asked for is checked against the context: the default is a cap, not a claim."""
+        return asked if asked is not None else self.default_max_tokens
 
     @property
     def tokenizer(self) -> Tokenizer:

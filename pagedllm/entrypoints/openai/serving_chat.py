@@ -110,7 +110,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
-    params = sampling_params(req, max_tokens, top_n)
+    params = sampling_params(req, ctx.max_tokens(max_tokens), top_n)
     tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
