@@ -173,3 +173,7 @@ class ReplicaSetClient(EngineClient, Protocol):
 
     def replica_metrics(self) -> list[tuple[int, str]]:
         """Each replica's Prometheus text, by replica index."""
+
+    async def kv_snapshot(self, replica: int, since: int | None = None) -> KVSnapshot:
+        """Replica `replica`'s KV cache (LLMEngine.kv_snapshot), taken on its engine thread between two steps: a
+        diff since snapshot `since` of the same incarnation of the replica, else a full one (for the dashboard)."""

@@ -3,8 +3,9 @@ cache, reached by `ReplicaPool` (replica_pool.py).
 
 Requests come in one call each (`add`); outputs go out on one long-lived stream per replica (`outputs`), a batch per
 engine step holding the latest output of every request that moved, rather than one Ray object per token per
-request: the per-object cost of Ray would otherwise come out of the replica's own cores. This module does not
-import ray; the pool wraps the class with `ray.remote`.
+request: the per-object cost of Ray would otherwise come out of the replica's own cores. KV snapshots for the
+dashboard are taken only when the pool asks (`kv_snapshot`), on the engine thread between two steps. This module
+does not import ray; the pool wraps the class with `ray.remote`.
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
-from pagedllm.engine.protocol import RequestStream, ServingObserver
+from pagedllm.engine.protocol import RequestStream, ServingObserver, SteppedEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.core.kv_view import KVSnapshot
+
 Item = RequestOutput | BaseException
+SNAPSHOT_TIMEOUT_S = 30.0  # a snapshot waits at most this long for the engine thread (a long step, a stuck engine)
 
 
 @dataclass
@@ -47,6 +54,46 @@ class ReplicaStatus:
     metrics_text: str | None
 
 
+class SnapshotTaker(ServingObserver):
+    """The replica's engine observer: passes every step on to the server's observer (its metrics) and, between two
+    steps on the engine thread (the engine is not thread-safe), takes the KV snapshots asked for meanwhile."""
+
+    def __init__(self, inner: ServingObserver | None) -> None:
+        self.inner = inner
+        self.asked: deque[tuple[int | None, asyncio.Future[KVSnapshot]]] = deque()  # appended on the event loop
+
+    def ask(self, since: int | None) -> asyncio.Future[KVSnapshot]:
+        """On the event loop: a future the engine thread resolves with a snapshot after its next step or drain."""
+        future: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        self.asked.append((since, future))
+        return future
+
+    def record(self, engine: SteppedEngine, outputs: list[RequestOutput]) -> None:
+        while self.asked:
+            since, future = self.asked.popleft()
+            try:
+                result: KVSnapshot | BaseException = engine.kv_snapshot(since)
+            except Exception as e:  # the asker gets the error; the engine goes on
+                result = e
+            future.get_loop().call_soon_threadsafe(settle, future, result)
+        if self.inner is not None:
+            self.inner.record(engine, outputs)
+
+    def record_restart(self) -> None:
+        if self.inner is not None:
+            self.inner.record_restart()
+
+
+def settle(future: asyncio.Future, result: object) -> None:
+    """Resolve `future` with `result` (raised if an exception), unless its waiter gave up."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 class EngineReplica:
     """The actor's class: builds the engine in the replica's process; every method runs on the actor's event loop,
     the engine steps in the AsyncLLMEngine's thread."""
@@ -55,7 +102,9 @@ class EngineReplica:
                  observer_factory: Callable[[], ServingObserver] | None = None) -> None:
         llm = build_serving_engine(config)
         self.observer = observer_factory() if observer_factory else None
-        self.engine = AsyncLLMEngine(llm, max_waiting_requests, observer=self.observer)
+        self.snapshots = SnapshotTaker(self.observer)
+        self.engine = AsyncLLMEngine(llm, max_waiting_requests, observer=self.snapshots)
+        self.wake_id = f"kv-snapshot-{uuid.uuid4().hex}"  # aborting an id no request has wakes an idle engine
         self.info_ = ReplicaInfo(uuid.uuid4().hex, llm.model_name, llm.max_model_len, llm.model_config.vocab_size,
                                  config.block_size, llm.stats().num_total_blocks)
         self.streams: dict[str, RequestStream] = {}
@@ -104,6 +153,16 @@ class EngineReplica:
         if stream is not None:
             stream.cancel()
         self.ready.pop(request_id, None)
+
+    async def kv_snapshot(self, since: int | None, boot_id: str | None) -> tuple[str, KVSnapshot]:
+        """This incarnation's boot id and a KV snapshot: a diff since `since` if `boot_id` is this incarnation's (a
+        restarted engine numbers its snapshots anew), else a full one. The engine thread takes it after its current
+        step, or at once if idle: an abort of an id no request has makes it drain its commands and call its
+        observer, which costs one dict lookup."""
+        self._start()
+        future = self.snapshots.ask(since if boot_id == self.info_.boot_id else None)
+        self.engine.abort(self.wake_id)
+        return self.info_.boot_id, await asyncio.wait_for(future, SNAPSHOT_TIMEOUT_S)
 
     async def outputs(self) -> AsyncIterator[list[tuple[str, Item]]]:
         """Forever: each time requests moved, the latest output (or error) of each, in one batch."""

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pagedllm
 from pagedllm.config import EngineConfig, ServerConfig
@@ -29,6 +29,9 @@ from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, Route, Router
 from pagedllm.engine.structured_output import grammar_text
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_view import KVSnapshot
 
 logger = logging.getLogger("pagedllm.engine.replica_pool")
 NAMESPACE = "pagedllm"
@@ -150,6 +153,7 @@ class Replica:
     restarts: int = 0
     status: ReplicaStatus | None = None
     requests: dict[str, PoolStream] = field(default_factory=dict)  # in flight here
+    snapshot_boot: str | None = None  # the incarnation the last KV snapshot came from (its versions are its own)
     listener: asyncio.Task | None = None
 
 
@@ -273,6 +277,15 @@ class ReplicaPool(EngineClient):
                  "num_waiting": r.status.num_waiting if r.status else None,
                  "in_flight": len(r.requests), "routed": self.router.replicas[r.index].routed}
                 for r in self.replicas]
+
+    async def kv_snapshot(self, replica: int, since: int | None = None) -> KVSnapshot:
+        """Replica `replica`'s KV snapshot, taken between two of its steps: a diff since `since` if the replica has
+        not restarted since the snapshot `since` came from, else a full one. One reader per replica (the dashboard):
+        the pool remembers the incarnation of the last snapshot only."""
+        r = self.replicas[replica]
+        boot_id, snap = await r.actor.kv_snapshot.remote(since, r.snapshot_boot)
+        r.snapshot_boot = boot_id
+        return snap
 
     # ---- routing and outputs -------------------------------------------------------------------------------------
     def _dispatch(self, stream: PoolStream) -> None:

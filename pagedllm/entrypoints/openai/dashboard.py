@@ -6,6 +6,11 @@ second while the engine works, and once more when it goes idle, so nothing asks 
 Each is a diff; the hub applies it to its copy of the pool on the event loop and fans it out to the page's event
 streams, so a new page gets the whole picture at once without asking the engine. The page is static HTML + JS
 (package data, no build step, no CDN). It is open like /metrics; with --api-key it does not show prompts' words.
+
+Under --data-parallel-size each replica has its own pool, so the page shows one replica at a time
+(`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica and
+asks the replica for a snapshot through the engine client (`kv_snapshot(replica, since)`), at most `rate` a second
+while the replica has work and once more when it goes idle.
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.protocol import ServingObserver, SteppedEngine
+from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
 from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.dashboard")
 STATIC = resources.files("pagedllm.entrypoints.openai") / "static"
 KEEP_ALIVE_S = 15.0
+SNAPSHOT_TIMEOUT_S = 60.0  # a replica's snapshot waits for its current step: a long prefill chunk, a loaded machine
 RECENT_EVENTS = 300  # events a new page gets
 HISTORY_POINTS = 2400  # time-series points a new page gets (10 minutes at 4 a second)
 RESYNC = "resync"  # put in a slow page's queue instead of the frames it missed: it gets a full frame
@@ -77,7 +83,10 @@ class DashboardHub:
         """Nothing to count: the next snapshot comes from the fresh engine."""
 
     def take(self, engine: SteppedEngine) -> Any:
-        snap = engine.kv_snapshot(self.version)
+        return self.accept(engine.kv_snapshot(self.version))
+
+    def accept(self, snap: Any) -> Any:
+        """Note the snapshot's version (the next is asked as a diff since it); blank the prompts if hidden."""
         self.version = snap.version
         if self.hide_prompts:
             for request in snap.requests:
@@ -146,6 +155,90 @@ class DashboardHub:
     def info(self) -> dict[str, Any]:
         return {"mode": "live", "model": self.model, "rate": 1.0 / self.period, "hide_prompts": self.hide_prompts}
 
+    def headline(self) -> dict[str, Any]:
+        """The latest snapshot's figures for a replica selector: KV use, queues, tokens/s, prefix hit rate."""
+        snap = self.latest
+        if snap is None:
+            return {"snapshots": 0}
+        c = snap.counters
+        return {"snapshots": self.num_snapshots, "time": snap.time, "num_blocks": c.num_blocks,
+                "blocks_in_use": c.blocks_in_use, "blocks_cached_free": c.blocks_cached_free,
+                "num_running": c.num_running, "num_waiting": c.num_waiting, "preemptions": c.preemptions,
+                "generated_tokens": c.generated_tokens, "tokens_per_s": self.token_rate() if c.num_running else 0.0,
+                "prefix_cache_hit_rate": c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries
+                else None}
+
+    def token_rate(self, window: float = 5.0) -> float:
+        """Generated tokens a second over the last `window` seconds of the time series."""
+        if len(self.history) < 2:
+            return 0.0
+        last = self.history[-1]
+        first = next((p for p in reversed(self.history) if p[0] <= last[0] - window), self.history[0])
+        return (last[5] - first[5]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+
+
+class ReplicaDashboard:
+    """Under --data-parallel-size: one hub per replica, each fed on the event loop by asking its replica for a
+    snapshot (a diff since the last) at most `rate` a second while the replica has requests in flight, and once
+    more when it has none (so the final state after a burst is shown); an idle replica is not asked at all. A
+    replica that fails keeps its last picture until it answers again (a restarted one sends a full snapshot)."""
+
+    def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+        self.client = client
+        self.hubs = [DashboardHub(model, rate, hide_prompts) for _ in client.replica_health() or []]
+        self.tasks: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """On the event loop: one feeding task per replica."""
+        self.loop = asyncio.get_running_loop()
+        for index, hub in enumerate(self.hubs):
+            hub.loop = self.loop
+            self.tasks.append(self.loop.create_task(self.feed(index)))
+
+    async def feed(self, index: int) -> None:
+        hub, unsettled, restarts = self.hubs[index], True, 0
+        while not hub.closed:
+            health = self.client.replica_health() or []
+            now_restarts = health[index]["restarts"] if index < len(health) else 0
+            if unsettled or now_restarts != restarts or (index < len(health) and health[index]["in_flight"]):
+                restarts = now_restarts
+                try:
+                    snap = hub.accept(await asyncio.wait_for(self.client.kv_snapshot(index, hub.version),
+                                                             SNAPSHOT_TIMEOUT_S))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a replica failing or restarting: its health shows it; try again later
+                    logger.debug("no KV snapshot from replica %d: %r", index, e)
+                    hub.version, unsettled = None, True
+                else:
+                    hub.publish(snap)
+                    unsettled = bool(snap.counters.num_running or snap.counters.num_waiting)
+            await asyncio.sleep(hub.period)
+
+    def hub(self, replica: str | None) -> DashboardHub:
+        """The hub of `?replica=` (replica 0 if not given)."""
+        index = int(replica) if replica and replica.isdigit() else 0 if not replica else -1
+        if not 0 <= index < len(self.hubs):
+            raise HTTPException(404, f"no replica {replica!r}: there are {len(self.hubs)} (0-{len(self.hubs) - 1})")
+        return self.hubs[index]
+
+    def info(self, replica: str | None) -> dict[str, Any]:
+        """The selected replica's page info, with every replica's health and headline numbers."""
+        index = self.hubs.index(self.hub(replica))
+        health = self.client.replica_health() or []
+        replicas = [{"replica": i, **hub.headline(), **{k: h[k] for k in ("healthy", "restarts", "in_flight")}}
+                    for i, (hub, h) in enumerate(zip(self.hubs, health))]
+        return {**self.hubs[index].info(), "replica": index, "replicas": replicas}
+
+    def close(self) -> None:
+        """End every page's stream (thread-safe) and the feeding."""
+        for hub in self.hubs:
+            hub.close()
+        if self.loop is not None and not self.loop.is_closed():
+            for task in self.tasks:
+                self.loop.call_soon_threadsafe(task.cancel)
+
 
 class Replay:
     """A recorded trace, for `pagedllm replay`: the page fetches it whole and plays it with a time slider."""
@@ -185,7 +278,11 @@ router = APIRouter()
 
 
 def source_of(request: Request) -> DashboardHub | Replay:
-    return request.app.state.dashboard
+    """The app's hub or replay; under --data-parallel-size the hub of the replica in `?replica=` (0 by default)."""
+    source = request.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return source.hub(request.query_params.get("replica"))
+    return source
 
 
 def static_text(name: str) -> str:
@@ -204,7 +301,10 @@ async def dashboard_script() -> Response:
 
 @router.get("/dashboard/info")
 async def dashboard_info(raw: Request) -> JSONResponse:
-    return JSONResponse(source_of(raw).info())
+    source = raw.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return JSONResponse(source.info(raw.query_params.get("replica")))
+    return JSONResponse(source.info())
 
 
 @router.get("/dashboard/snapshot")
@@ -252,6 +352,13 @@ async def dashboard_trace(raw: Request) -> Response:
     return Response("\n".join([to_json(replay.header), *replay.frames]) + "\n", media_type="application/x-ndjson")
 
 
-def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
+def mount(app: FastAPI, source: DashboardHub | ReplicaDashboard | Replay) -> None:
     app.state.dashboard = source
     app.include_router(router)
+
+
+def close(app: FastAPI) -> None:
+    """End the live dashboard's event streams, if the app has one (thread-safe)."""
+    source = getattr(app.state, "dashboard", None)
+    if isinstance(source, (DashboardHub, ReplicaDashboard)):
+        source.close()
