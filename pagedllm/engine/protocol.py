@@ -8,7 +8,7 @@ The OpenAI server imports the engine through this module only, so a new backend 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.outputs import RequestOutput
@@ -174,6 +174,7 @@ class ReplicaSetClient(EngineClient, Protocol):
     def replica_metrics(self) -> list[tuple[int, str]]:
         """Each replica's Prometheus text, by replica index."""
 
-    async def kv_snapshot(self, replica: int, since: int | None = None) -> KVSnapshot:
-        """Replica `replica`'s KV cache (LLMEngine.kv_snapshot), taken on its engine thread between two steps: a
-        diff since snapshot `since` of the same incarnation of the replica, else a full one (for the dashboard)."""
+    def watch_kv(self, listener: Callable[[int, KVSnapshot], None]) -> None:
+        """Call `listener(replica, snapshot)` on the event loop with every KV snapshot (LLMEngine.kv_snapshot) that
+        a replica takes on its engine thread: per replica, in order, a full one first (also after a restart), then
+        diffs (for the dashboard)."""

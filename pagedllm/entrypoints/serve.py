@@ -117,7 +117,8 @@ def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> F
     from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
 
     pool_config = PoolConfig(args.data_parallel_size, args.routing, args.routing_margin,
-                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests)
+                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests,
+                             kv_snapshot_rate=server.dashboard)
     name = (server.served_model_name or [None])[0]
     observer = functools.partial(EngineStats, name or args.model or "default")
     pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)

@@ -8,9 +8,9 @@ streams, so a new page gets the whole picture at once without asking the engine.
 (package data, no build step, no CDN). It is open like /metrics; with --api-key it does not show prompts' words.
 
 Under --data-parallel-size each replica has its own pool, so the page shows one replica at a time
-(`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica and
-asks the replica for a snapshot through the engine client (`kv_snapshot(replica, since)`), at most `rate` a second
-while the replica has work and once more when it goes idle.
+(`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica, fed
+with the snapshots each replica takes on its own engine thread by the same rule and sends on its output stream
+(the engine client's `watch_kv`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from pagedllm.outputs import RequestOutput
 logger = logging.getLogger("pagedllm.entrypoints.openai.dashboard")
 STATIC = resources.files("pagedllm.entrypoints.openai") / "static"
 KEEP_ALIVE_S = 15.0
-SNAPSHOT_TIMEOUT_S = 60.0  # a replica's snapshot waits for its current step: a long prefill chunk, a loaded machine
 RECENT_EVENTS = 300  # events a new page gets
 HISTORY_POINTS = 2400  # time-series points a new page gets (10 minutes at 4 a second)
 RESYNC = "resync"  # put in a slow page's queue instead of the frames it missed: it gets a full frame
@@ -178,43 +177,27 @@ class DashboardHub:
 
 
 class ReplicaDashboard:
-    """Under --data-parallel-size: one hub per replica, each fed on the event loop by asking its replica for a
-    snapshot (a diff since the last) at most `rate` a second while the replica has requests in flight, and once
-    more when it has none (so the final state after a burst is shown); an idle replica is not asked at all. A
-    replica that fails keeps its last picture until it answers again (a restarted one sends a full snapshot)."""
+    """Under --data-parallel-size: one hub per replica, fed with the snapshots the replica takes on its engine
+    thread (at most `rate` a second while it works, once when it goes idle) and sends on its output stream (the
+    client's `watch_kv`). A replica that fails keeps its last picture until it is back (then a full snapshot)."""
 
     def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
         self.client = client
         self.hubs = [DashboardHub(model, rate, hide_prompts) for _ in client.replica_health() or []]
-        self.tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        """On the event loop: one feeding task per replica."""
+        """On the event loop, before the client starts."""
         self.loop = asyncio.get_running_loop()
-        for index, hub in enumerate(self.hubs):
+        for hub in self.hubs:
             hub.loop = self.loop
-            self.tasks.append(self.loop.create_task(self.feed(index)))
+        self.client.watch_kv(self.receive)
 
-    async def feed(self, index: int) -> None:
-        hub, unsettled, restarts = self.hubs[index], True, 0
-        while not hub.closed:
-            health = self.client.replica_health() or []
-            now_restarts = health[index]["restarts"] if index < len(health) else 0
-            if unsettled or now_restarts != restarts or (index < len(health) and health[index]["in_flight"]):
-                restarts = now_restarts
-                try:
-                    snap = hub.accept(await asyncio.wait_for(self.client.kv_snapshot(index, hub.version),
-                                                             SNAPSHOT_TIMEOUT_S))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # a replica failing or restarting: its health shows it; try again later
-                    logger.debug("no KV snapshot from replica %d: %r", index, e)
-                    hub.version, unsettled = None, True
-                else:
-                    hub.publish(snap)
-                    unsettled = bool(snap.counters.num_running or snap.counters.num_waiting)
-            await asyncio.sleep(hub.period)
+    def receive(self, replica: int, snap: Any) -> None:
+        """On the event loop: a replica's snapshot to its hub (a diff before the hub has a full one is dropped)."""
+        hub = self.hubs[replica]
+        if snap.full or len(hub.states) == snap.num_blocks:
+            hub.publish(hub.accept(snap))
 
     def hub(self, replica: str | None) -> DashboardHub:
         """The hub of `?replica=` (replica 0 if not given)."""
@@ -232,12 +215,9 @@ class ReplicaDashboard:
         return {**self.hubs[index].info(), "replica": index, "replicas": replicas}
 
     def close(self) -> None:
-        """End every page's stream (thread-safe) and the feeding."""
+        """End every page's stream (thread-safe)."""
         for hub in self.hubs:
             hub.close()
-        if self.loop is not None and not self.loop.is_closed():
-            for task in self.tasks:
-                self.loop.call_soon_threadsafe(task.cancel)
 
 
 class Replay:
