@@ -167,7 +167,8 @@ class EngineClient(Protocol):
 
 
 class ReplicaSetClient(EngineClient, Protocol):
-    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics."""
+    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics; their KV
+    snapshots for /dashboard."""
 
     router: Router
 

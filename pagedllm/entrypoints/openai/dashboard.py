@@ -184,13 +184,11 @@ class ReplicaDashboard:
     def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
         self.client = client
         self.hubs = [DashboardHub(model, rate, hide_prompts) for _ in client.replica_health() or []]
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         """On the event loop, before the client starts."""
-        self.loop = asyncio.get_running_loop()
         for hub in self.hubs:
-            hub.loop = self.loop
+            hub.loop = asyncio.get_running_loop()
         self.client.watch_kv(self.receive)
 
     def receive(self, replica: int, snap: Any) -> None:
@@ -201,7 +199,7 @@ class ReplicaDashboard:
 
     def hub(self, replica: str | None) -> DashboardHub:
         """The hub of `?replica=` (replica 0 if not given)."""
-        index = int(replica) if replica and replica.isdigit() else 0 if not replica else -1
+        index = 0 if not replica else int(replica) if replica.isdigit() else -1
         if not 0 <= index < len(self.hubs):
             raise HTTPException(404, f"no replica {replica!r}: there are {len(self.hubs)} (0-{len(self.hubs) - 1})")
         return self.hubs[index]
