@@ -8,7 +8,7 @@ The OpenAI server imports the engine through this module only, so a new backend 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.outputs import RequestOutput
@@ -167,9 +167,15 @@ class EngineClient(Protocol):
 
 
 class ReplicaSetClient(EngineClient, Protocol):
-    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics."""
+    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics; their KV
+    snapshots for /dashboard."""
 
     router: Router
 
     def replica_metrics(self) -> list[tuple[int, str]]:
         """Each replica's Prometheus text, by replica index."""
+
+    def watch_kv(self, listener: Callable[[int, KVSnapshot], None]) -> None:
+        """Call `listener(replica, snapshot)` on the event loop with every KV snapshot (LLMEngine.kv_snapshot) that
+        a replica takes on its engine thread: per replica, in order, a full one first (also after a restart), then
+        diffs (for the dashboard)."""

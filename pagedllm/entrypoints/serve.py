@@ -53,9 +53,7 @@ def uvicorn_server(app: FastAPI, **config: Any) -> uvicorn.Server:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            source = getattr(app.state, "dashboard", None)
-            if isinstance(source, dashboard.DashboardHub):
-                source.close()
+            dashboard.close(app)
             super().handle_exit(sig, frame)
 
     return Server(uvicorn.Config(app, **config))
@@ -122,15 +120,23 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> FastAPI:
-    """N replicas behind one endpoint; ray is imported only here."""
+    """N replicas behind one endpoint, with a dashboard that shows one replica's KV cache at a time; ray is imported
+    only here."""
     from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
     from pagedllm.entrypoints.openai.app import build_client_app
     from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 
     pool_config = PoolConfig(args.data_parallel_size, args.routing, args.routing_margin,
-                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests)
+                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests,
+                             kv_snapshot_rate=server.dashboard)
     name = (server.served_model_name or [None])[0]
     observer = functools.partial(EngineStats, name or args.model or "default")
     pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
     names = server.served_model_name or [args.model or pool.model_name]
-    return build_client_app(pool, ReplicaSetStats(pool, names[0]), names, server, args.model or pool.model_name)
+    rate = server.dashboard
+    hub = dashboard.ReplicaDashboard(pool, names[0], rate, hide_prompts=bool(server.api_key)) if rate else None
+    app = build_client_app(pool, ReplicaSetStats(pool, names[0]), names, server, args.model or pool.model_name,
+                           on_start=None if hub is None else hub.start)
+    if hub is not None:
+        dashboard.mount(app, hub)
+    return app

@@ -6,6 +6,11 @@ second while the engine works, and once more when it goes idle, so nothing asks 
 Each is a diff; the hub applies it to its copy of the pool on the event loop and fans it out to the page's event
 streams, so a new page gets the whole picture at once without asking the engine. The page is static HTML + JS
 (package data, no build step, no CDN). It is open like /metrics; with --api-key it does not show prompts' words.
+
+Under --data-parallel-size each replica has its own pool, so the page shows one replica at a time
+(`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica, fed
+with the snapshots each replica takes on its own engine thread by the same rule and sends on its output stream
+(the engine client's `watch_kv`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.protocol import ServingObserver, SteppedEngine
+from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
 from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
 from pagedllm.outputs import RequestOutput
 
@@ -77,7 +82,10 @@ class DashboardHub:
         """Nothing to count: the next snapshot comes from the fresh engine."""
 
     def take(self, engine: SteppedEngine) -> Any:
-        snap = engine.kv_snapshot(self.version)
+        return self.accept(engine.kv_snapshot(self.version))
+
+    def accept(self, snap: Any) -> Any:
+        """Note the snapshot's version (the next is asked as a diff since it); blank the prompts if hidden."""
         self.version = snap.version
         if self.hide_prompts:
             for request in snap.requests:
@@ -146,6 +154,69 @@ class DashboardHub:
     def info(self) -> dict[str, Any]:
         return {"mode": "live", "model": self.model, "rate": 1.0 / self.period, "hide_prompts": self.hide_prompts}
 
+    def headline(self) -> dict[str, Any]:
+        """The latest snapshot's figures for a replica selector: KV use, queues, tokens/s, prefix hit rate."""
+        snap = self.latest
+        if snap is None:
+            return {"snapshots": 0}
+        c = snap.counters
+        return {"snapshots": self.num_snapshots, "time": snap.time, "num_blocks": c.num_blocks,
+                "blocks_in_use": c.blocks_in_use, "blocks_cached_free": c.blocks_cached_free,
+                "num_running": c.num_running, "num_waiting": c.num_waiting, "preemptions": c.preemptions,
+                "generated_tokens": c.generated_tokens, "tokens_per_s": self.token_rate() if c.num_running else 0.0,
+                "prefix_cache_hit_rate": c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries
+                else None}
+
+    def token_rate(self, window: float = 5.0) -> float:
+        """Generated tokens a second over the last `window` seconds of the time series."""
+        if len(self.history) < 2:
+            return 0.0
+        last = self.history[-1]
+        first = next((p for p in reversed(self.history) if p[0] <= last[0] - window), self.history[0])
+        return (last[5] - first[5]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+
+
+class ReplicaDashboard:
+    """Under --data-parallel-size: one hub per replica, fed with the snapshots the replica takes on its engine
+    thread (at most `rate` a second while it works, once when it goes idle) and sends on its output stream (the
+    client's `watch_kv`). A replica that fails keeps its last picture until it is back (then a full snapshot)."""
+
+    def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+        self.client = client
+        self.hubs = [DashboardHub(model, rate, hide_prompts) for _ in client.replica_health() or []]
+
+    def start(self) -> None:
+        """On the event loop, before the client starts."""
+        for hub in self.hubs:
+            hub.loop = asyncio.get_running_loop()
+        self.client.watch_kv(self.receive)
+
+    def receive(self, replica: int, snap: Any) -> None:
+        """On the event loop: a replica's snapshot to its hub (a diff before the hub has a full one is dropped)."""
+        hub = self.hubs[replica]
+        if snap.full or len(hub.states) == snap.num_blocks:
+            hub.publish(hub.accept(snap))
+
+    def hub(self, replica: str | None) -> DashboardHub:
+        """The hub of `?replica=` (replica 0 if not given)."""
+        index = 0 if not replica else int(replica) if replica.isdigit() else -1
+        if not 0 <= index < len(self.hubs):
+            raise HTTPException(404, f"no replica {replica!r}: there are {len(self.hubs)} (0-{len(self.hubs) - 1})")
+        return self.hubs[index]
+
+    def info(self, replica: str | None) -> dict[str, Any]:
+        """The selected replica's page info, with every replica's health and headline numbers."""
+        index = self.hubs.index(self.hub(replica))
+        health = self.client.replica_health() or []
+        replicas = [{"replica": i, **hub.headline(), **{k: h[k] for k in ("healthy", "restarts", "in_flight")}}
+                    for i, (hub, h) in enumerate(zip(self.hubs, health))]
+        return {**self.hubs[index].info(), "replica": index, "replicas": replicas}
+
+    def close(self) -> None:
+        """End every page's stream (thread-safe)."""
+        for hub in self.hubs:
+            hub.close()
+
 
 class Replay:
     """A recorded trace, for `pagedllm replay`: the page fetches it whole and plays it with a time slider."""
@@ -185,7 +256,11 @@ router = APIRouter()
 
 
 def source_of(request: Request) -> DashboardHub | Replay:
-    return request.app.state.dashboard
+    """The app's hub or replay; under --data-parallel-size the hub of the replica in `?replica=` (0 by default)."""
+    source = request.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return source.hub(request.query_params.get("replica"))
+    return source
 
 
 def static_text(name: str) -> str:
@@ -204,7 +279,10 @@ async def dashboard_script() -> Response:
 
 @router.get("/dashboard/info")
 async def dashboard_info(raw: Request) -> JSONResponse:
-    return JSONResponse(source_of(raw).info())
+    source = raw.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return JSONResponse(source.info(raw.query_params.get("replica")))
+    return JSONResponse(source.info())
 
 
 @router.get("/dashboard/snapshot")
@@ -252,6 +330,13 @@ async def dashboard_trace(raw: Request) -> Response:
     return Response("\n".join([to_json(replay.header), *replay.frames]) + "\n", media_type="application/x-ndjson")
 
 
-def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
+def mount(app: FastAPI, source: DashboardHub | ReplicaDashboard | Replay) -> None:
     app.state.dashboard = source
     app.include_router(router)
+
+
+def close(app: FastAPI) -> None:
+    """End the live dashboard's event streams, if the app has one (thread-safe)."""
+    source = getattr(app.state, "dashboard", None)
+    if isinstance(source, (DashboardHub, ReplicaDashboard)):
+        source.close()
