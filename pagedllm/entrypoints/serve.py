@@ -123,6 +123,7 @@ def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> F
     """N replicas behind one endpoint, with a dashboard that shows one replica's KV cache at a time; ray is imported
     only here."""
     from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
+    from pagedllm.entrypoints.openai import dashboard
     from pagedllm.entrypoints.openai.app import build_client_app
     from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 
