@@ -8,6 +8,7 @@ be made to block quickly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -72,13 +73,13 @@ def test_waiting_sequences_not_requests_fill_the_queue(server: Server) -> None:
                 async for line in running.aiter_lines():  # its first token: both its sequences are running
                     if line.startswith("data: "):
                         break
-                waiting = [asyncio.create_task(client.post("/v1/completions", json={"prompt": p, **LONG, **extra}))
-                           for p, extra in (("wait one", {"n": 2}), (["wait", "two"], {}))]
-                await wait_for_waiting(client, 3)  # three requests, four sequences
-                refused = await client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
-                for task in waiting:
-                    task.cancel()
-                await asyncio.gather(*waiting, return_exceptions=True)
+                async with contextlib.AsyncExitStack() as waiting:
+                    for prompt, extra in (("wait one", {"n": 2}), (["wait", "two"], {})):
+                        # a stream's headers come once its request is admitted
+                        r = await waiting.enter_async_context(client.stream("POST", "/v1/completions", json={
+                            "prompt": prompt, "stream": True, **LONG, **extra}))
+                        assert r.status_code == 200
+                    refused = await client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
                 return running.status_code, refused
 
     status, refused = asyncio.run(run())
