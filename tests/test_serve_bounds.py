@@ -141,8 +141,9 @@ def test_dashboard_streams_are_capped(server: Server) -> None:
         with client.stream("GET", "/dashboard/events") as first, client.stream("GET", "/dashboard/events") as second:
             for page in (first, second):
                 assert page.status_code == 200 and next(page.iter_lines()).startswith("data: ")
-            third = client.get("/dashboard/events")
-            assert third.status_code == 503
+            with client.stream("GET", "/dashboard/events") as third:  # a stream: a failure here must not hang
+                assert third.status_code == 503
+                third.read()
             assert error_of(third)["code"] == "too_many_streams"
             assert "--max-dashboard-streams" in error_of(third)["message"]
         for _ in range(100):  # the two left: a new page is served again
