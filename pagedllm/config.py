@@ -281,8 +281,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 (None: open)
+    api_key_utility_routes: bool = False  # the API key guards /tokenize and /detokenize too (vLLM leaves them open)
     served_model_name: list[str] | None = None  # the names clients use (None: --model as given)
-    max_waiting_requests: int = 256  # requests accepted but not running; beyond, 503 with Retry-After
+    # sequences (each request's prompts x n) accepted but not running; beyond, 503 with Retry-After, and a request
+    # that alone asks for more is a 400 (the name is vLLM-style; what it counts is what the scheduler queues)
+    max_waiting_requests: int = 256
     max_request_bytes: int = 2 << 20  # JSON parsing runs on the event loop: ~0.1-0.25 s per MiB at worst
     body_timeout: float = 30.0  # seconds to receive a whole request body
     stream_send_timeout: float = 30.0  # seconds a stream waits for its client to take the next chunk
@@ -291,6 +294,7 @@ class ServerConfig:
     disable_log_stats: bool = False
     no_dashboard: bool = False
     dashboard_rate: float = 4.0  # /dashboard: KV snapshots per second at most
+    max_dashboard_streams: int = 16  # /dashboard/events streams open at once (each costs the event loop per frame)
     uvicorn_log_level: str = "info"
     # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
     # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
@@ -298,9 +302,11 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                     "timeout_keep_alive", "default_max_tokens"):
+                     "timeout_keep_alive", "default_max_tokens", "max_dashboard_streams"):
             if getattr(self, flag) is not None and getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
+        if self.api_key_utility_routes and not self.api_key:
+            raise ValueError("--api-key-utility-routes needs an API key (--api-key or $PAGEDLLM_API_KEY)")
 
     @property
     def dashboard(self) -> float | None:
@@ -316,10 +322,14 @@ class ServerConfig:
         g.add_argument("--port", type=int, default=d["port"].default, help="port to listen on")
         g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
                                                        "(default: $PAGEDLLM_API_KEY)")
+        g.add_argument("--api-key-utility-routes", action="store_true",
+                       help="the API key guards /tokenize and /detokenize too (by default they are open, as vLLM's; "
+                            "open or not, their tokenizer work has its own thread and a bounded queue, 503 past it)")
         g.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: --model as given)")
         g.add_argument("--max-waiting-requests", type=int, default=d["max_waiting_requests"].default,
-                       help="requests queued beyond this get 503 with Retry-After")
+                       help="sequences (a request's prompts x n) that may wait to run; a request that would take "
+                            "them past this gets 503 with Retry-After, one that alone asks for more gets 400")
         g.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
                        help="larger request bodies get 413 before they are read")
         g.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
@@ -333,6 +343,8 @@ class ServerConfig:
         g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")
         g.add_argument("--dashboard-rate", type=float, default=d["dashboard_rate"].default,
                        help="/dashboard: KV snapshots per second at most, taken between engine steps")
+        g.add_argument("--max-dashboard-streams", type=int, default=d["max_dashboard_streams"].default,
+                       help="/dashboard/events streams (open dashboard pages) at once; more get 503")
         g.add_argument("--uvicorn-log-level", default=d["uvicorn_log_level"].default,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log (one line per HTTP request at info)")

@@ -136,7 +136,7 @@ class EngineReplica:
         """Queue a request; its outputs, or its error (bad input, a full queue), come on the `outputs` stream."""
         self._start()
         try:
-            self.engine.check_admission()
+            self.engine.check_admission(params.n)
             stream = self.engine.add_request(request_id, prompt_token_ids, params)
         except Exception as e:
             self._put(request_id, e)

@@ -247,6 +247,11 @@ class ReplicaPool(EngineClient):
         """Requests in flight beyond those the replicas said they were running at the last health check."""
         return sum(max(0, len(r.requests) - (r.status.num_running if r.status else 0)) for r in self.replicas)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences of the requests in flight with no output yet (one moved off a failed replica waits again)."""
+        return sum(s.params.n for s in self.streams.values() if not s.delivered)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> PoolStream:
         """Route the request and send it to its replica; outputs (or the error) arrive on the returned stream."""
         if request_id in self.streams:

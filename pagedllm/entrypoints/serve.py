@@ -34,7 +34,9 @@ def build_app(engine: SteppedEngine, model_names: list[str], server: ServerConfi
     server = server or ServerConfig()
     stats = EngineStats(model_names[0], log_interval=log_interval)
     rate = server.dashboard
-    hub = dashboard.DashboardHub(model_names[0], rate, hide_prompts=bool(server.api_key)) if rate else None
+    hub = dashboard.DashboardHub(model_names[0], rate, hide_prompts=bool(server.api_key),
+                                 max_streams=server.max_dashboard_streams,
+                                 send_timeout=server.stream_send_timeout) if rate else None
     observer: ServingObserver = stats if hub is None else dashboard.Observers(stats, hub)
     client = AsyncLLMEngine(engine, server.max_waiting_requests, observer=observer, engine_factory=engine_factory)
     app = build_client_app(client, stats, model_names, server, model_path,
@@ -135,7 +137,9 @@ def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> F
     pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
     names = server.served_model_name or [args.model or pool.model_name]
     rate = server.dashboard
-    hub = dashboard.ReplicaDashboard(pool, names[0], rate, hide_prompts=bool(server.api_key)) if rate else None
+    hub = dashboard.ReplicaDashboard(pool, names[0], rate, hide_prompts=bool(server.api_key),
+                                     max_streams=server.max_dashboard_streams,
+                                     send_timeout=server.stream_send_timeout) if rate else None
     app = build_client_app(pool, ReplicaSetStats(pool, names[0]), names, server, args.model or pool.model_name,
                            on_start=None if hub is None else hub.start)
     if hub is not None:

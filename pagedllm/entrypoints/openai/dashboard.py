@@ -11,6 +11,10 @@ Under --data-parallel-size each replica has its own pool, so the page shows one 
 (`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica, fed
 with the snapshots each replica takes on its own engine thread by the same rule and sends on its output stream
 (the engine client's `watch_kv`).
+
+Its event streams are bounded like the completions' streams: at most --max-dashboard-streams at once (503 past
+them), each dropped once its client has read nothing for --stream-send-timeout; the full frame a new or lagging page
+gets is built once per snapshot, however many pages ask for it.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
 from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import DeadlineStreamingResponse
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.dashboard")
@@ -42,10 +49,14 @@ CLOSE = "close"  # ends a page's stream (frames are JSON objects, never these wo
 class DashboardHub:
     """KV snapshots from the engine thread to every open page; keeps the pool's latest state for new pages."""
 
-    def __init__(self, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+    def __init__(self, model: str, rate: float = 4.0, hide_prompts: bool = False,
+                 max_streams: int = ServerConfig.max_dashboard_streams,
+                 send_timeout: float = ServerConfig.stream_send_timeout) -> None:
         if rate <= 0:
             raise ValueError(f"--dashboard-rate must be positive, got {rate}")
         self.model, self.period, self.hide_prompts = model, 1.0 / rate, hide_prompts
+        self.max_streams, self.send_timeout = max_streams, send_timeout
+        self.full_cache: tuple[int, str] | None = None  # (num_snapshots, the full frame built then)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.version: int | None = None  # engine thread: the last snapshot taken
         self.last_taken = 0.0
@@ -132,7 +143,12 @@ class DashboardHub:
 
     def full_frame(self) -> str:
         """The whole picture as one full frame: every block not free, the latest requests and counters, the recent
-        events and the time series so far."""
+        events and the time series so far; built once per snapshot (pages that connect or lag together share it)."""
+        if self.full_cache is None or self.full_cache[0] != self.num_snapshots:
+            self.full_cache = (self.num_snapshots, self.build_full_frame())
+        return self.full_cache[1]
+
+    def build_full_frame(self) -> str:
         snap = self.latest
         if snap is None:
             return to_json({"full": True, "mode": "live", "model": self.model, "error": "no snapshot yet"})
@@ -144,6 +160,11 @@ class DashboardHub:
                                 history=list(self.history), mode="live", model=self.model))
 
     def subscribe(self) -> asyncio.Queue[str]:
+        """A new page's queue, or a 503 past `max_streams` pages (each costs the event loop a send per frame)."""
+        if len(self.subscribers) >= self.max_streams:
+            raise APIError(503, f"{len(self.subscribers)} dashboard streams are open, the most allowed "
+                           "(--max-dashboard-streams); close one or retry later", "server_error",
+                           code="too_many_streams", headers={"Retry-After": "5"})
         queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
         self.subscribers.add(queue)
         return queue
@@ -181,9 +202,12 @@ class ReplicaDashboard:
     thread (at most `rate` a second while it works, once when it goes idle) and sends on its output stream (the
     client's `watch_kv`). A replica that fails keeps its last picture until it is back (then a full snapshot)."""
 
-    def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+    def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False,
+                 max_streams: int = ServerConfig.max_dashboard_streams,
+                 send_timeout: float = ServerConfig.stream_send_timeout) -> None:
         self.client = client
-        self.hubs = [DashboardHub(model, rate, hide_prompts) for _ in client.replica_health() or []]
+        self.hubs = [DashboardHub(model, rate, hide_prompts, max_streams, send_timeout)
+                     for _ in client.replica_health() or []]
 
     def start(self) -> None:
         """On the event loop, before the client starts."""
@@ -300,12 +324,27 @@ async def dashboard_events(raw: Request) -> Response:
     hub = source_of(raw)
     if not isinstance(hub, DashboardHub):
         return JSONResponse({"error": "a replay has no live events: see /dashboard/trace"}, 404)
-    return StreamingResponse(event_stream(hub), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        queue = hub.subscribe()  # here, not in the stream: a crowd arriving at once is counted as it comes
+    except APIError as e:
+        return e.response()
+    return EventStreamResponse(hub, queue)
 
 
-async def event_stream(hub: DashboardHub) -> AsyncIterator[str]:
-    queue = hub.subscribe()
+class EventStreamResponse(DeadlineStreamingResponse):
+    """A page's event stream: dropped when its client stops reading; its subscription ends with it, however it
+    ends (also if the stream never started)."""
+
+    def __init__(self, hub: DashboardHub, queue: asyncio.Queue[str]) -> None:
+        super().__init__(event_stream(hub, queue), hub.send_timeout, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.hub, self.queue = hub, queue
+
+    def closed(self) -> None:
+        self.hub.unsubscribe(self.queue)
+
+
+async def event_stream(hub: DashboardHub, queue: asyncio.Queue[str]) -> AsyncIterator[str]:
     try:
         yield f"data: {hub.full_frame()}\n\n"
         while not hub.closed:

@@ -12,14 +12,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import EngineClient, EngineRestartingError, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError, engine_errors, json_response, to_api_error
-from pagedllm.entrypoints.openai.limits import OFF_LOOP_CHARS, OFF_LOOP_TOKENS, SendDeadline, WorkerPool
+from pagedllm.entrypoints.openai.limits import (
+    OFF_LOOP_CHARS,
+    OFF_LOOP_TOKENS,
+    DeadlineStreamingResponse,
+    WorkerPool,
+    utility_pool,
+)
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import MAX_N, ErrorResponse, SamplingRequest, UsageInfo, random_id
 from pagedllm.entrypoints.openai.response_format import structured_outputs_of
@@ -42,6 +47,8 @@ class ServerContext:
     model_names: list[str]
     model_path: str | None
     workers: WorkerPool = dataclasses.field(default_factory=WorkerPool)
+    # the open utility routes' tokenizer work: its own thread and a bounded queue, so it cannot delay the above
+    utility_workers: WorkerPool = dataclasses.field(default_factory=utility_pool)
     stream_send_timeout: float = ServerConfig.stream_send_timeout
     default_max_tokens: int | None = ServerConfig.default_max_tokens
 
@@ -138,8 +145,9 @@ async def submit(ctx: ServerContext, id_prefix: str, prompts: list[list[int]], p
 def submit_choices(engine: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
                    n: int) -> list[RequestStream]:
     """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
-    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i)."""
-    engine.check_admission()
+    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i). Admission counts every
+    sequence the request adds: prompts x n."""
+    engine.check_admission(len(prompts) * n)
     streams: list[RequestStream] = []
     try:
         for p, ids in enumerate(prompts):
@@ -260,28 +268,17 @@ def finish_fields(c: CompletionOutput) -> dict[str, Any]:
 
 
 # ---- server-sent events ----------------------------------------------------------------------------------
-class SSEResponse(StreamingResponse):
+class SSEResponse(DeadlineStreamingResponse):
     """An event stream that aborts its requests however it ends: client gone (before the first chunk too), or a
     client that stopped reading for `send_timeout` seconds (its unread output is not kept, see AsyncRequestStream)."""
 
     def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
                  send_timeout: float = ServerConfig.stream_send_timeout) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(content, send_timeout, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.streams = streams
-        self.send_timeout = send_timeout
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        deadline = SendDeadline(send, self.send_timeout)
-        try:
-            await super().__call__(scope, receive, deadline.send)
-        except asyncio.CancelledError:
-            if not deadline.expired:
-                raise
-            asyncio.current_task().uncancel()  # our own timer's cancellation, handled here
-            logger.warning("aborting a stream: the client read nothing for %g s", self.send_timeout)
-        finally:
-            deadline.close()
-            cancel_all(self.streams)
+    def closed(self) -> None:
+        cancel_all(self.streams)
 
 
 def sse(model: BaseModel) -> str:
