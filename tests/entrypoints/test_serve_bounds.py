@@ -70,7 +70,8 @@ def test_waiting_sequences_not_requests_fill_the_queue(server: Server) -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             async with client.stream("POST", "/v1/completions", json={"prompt": "run", "n": 2, "stream": True,
                                                                       **LONG}) as running:
-                async for line in running.aiter_lines():  # its first token: both its sequences are running
+                lines = running.aiter_lines()  # kept: a collected iterator would close the stream (an abort)
+                async for line in lines:  # its first token: both its sequences are running
                     if line.startswith("data: "):
                         break
                 async with contextlib.AsyncExitStack() as waiting:
@@ -139,8 +140,10 @@ def test_dashboard_streams_are_capped(server: Server) -> None:
     """Two pages may stream; the third gets a 503 naming the flag; a page that leaves frees its seat."""
     with httpx.Client(base_url=server.url, timeout=30) as client:
         with client.stream("GET", "/dashboard/events") as first, client.stream("GET", "/dashboard/events") as second:
-            for page in (first, second):
-                assert page.status_code == 200 and next(page.iter_lines()).startswith("data: ")
+            # the line iterators are kept: one garbage-collected mid-stream closes its connection (httpcore)
+            readers = [page.iter_lines() for page in (first, second)]
+            for page, lines in zip((first, second), readers):
+                assert page.status_code == 200 and next(lines).startswith("data: ")
             with client.stream("GET", "/dashboard/events") as third:  # a stream: a failure here must not hang
                 assert third.status_code == 503
                 third.read()
