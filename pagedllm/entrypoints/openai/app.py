@@ -1,6 +1,6 @@
-"""The OpenAI-compatible app over an engine client: /v1/completions, /v1/chat/completions, /v1/models and vLLM's
-/health, /metrics, /tokenize, /detokenize, /version. Each endpoint module brings its own router; an endpoint is one
-more module in `ROUTERS`.
+"""The OpenAI-compatible app over an engine client: /v1/completions, /v1/chat/completions, /v1/responses (with its
+stored responses), Anthropic's /v1/messages, /v1/models and vLLM's /health, /metrics, /tokenize, /detokenize,
+/version. Each endpoint module brings its own router; an endpoint is one more module in `ROUTERS`.
 
 Every bad request is a 4xx with an OpenAI-style body, never a 500 (errors.py); a client that goes away aborts its
 requests; past --max-waiting-requests new requests get 503 + Retry-After.
@@ -16,13 +16,13 @@ from fastapi import APIRouter, FastAPI
 from pagedllm import __version__
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai import routes, serving_chat, serving_completion
+from pagedllm.entrypoints.openai import routes, serving_chat, serving_completion, serving_messages
 from pagedllm.entrypoints.openai.errors import ApiKeyMiddleware, install_error_handlers
 from pagedllm.entrypoints.openai.limits import RequestLimitMiddleware, WorkerPool
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.serving import ServerContext
 
-ROUTERS: list[APIRouter] = [serving_completion.router, serving_chat.router, routes.router]
+ROUTERS: list[APIRouter] = [serving_completion.router, serving_chat.router, serving_messages.router, routes.router]
 
 
 def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats, model_names: list[str],
