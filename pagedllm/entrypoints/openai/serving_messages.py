@@ -11,15 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.chat_path import (
-    ChatRun,
-    OutputSplitter,
-    chat_request,
-    final_output,
-    split_output,
-    start_chat,
-    stop_sequence,
-)
+from pagedllm.entrypoints.openai import chat_path
+from pagedllm.entrypoints.openai.chat_path import ChatRun, stop_sequence
 from pagedllm.entrypoints.openai.errors import APIError, json_response, to_api_error
 from pagedllm.entrypoints.openai.protocol_messages import (
     AnthropicMessage,
@@ -124,7 +117,7 @@ def tool_use(call: ToolCall) -> ToolUseOut:
 
 
 def message_body(run: ChatRun, c: CompletionOutput) -> MessageResponse:
-    text, calls = split_output(c, run.tools)
+    text, calls = chat_path.split_output(c, run.tools)
     content: list[TextOut | ToolUseOut] = [TextOut(text=text)] if text or not calls else []
     content += [tool_use(call) for call in calls]
     return MessageResponse(id=run.request_id, model=run.model, content=content,
@@ -136,17 +129,17 @@ def message_body(run: ChatRun, c: CompletionOutput) -> MessageResponse:
 @router.post("/v1/messages")
 async def create_message(req: MessagesRequest, raw: Request) -> Response:
     ctx = server_of(raw)
-    run = await start_chat(ctx, chat_request(chat_fields(req)), "msg")
+    run = await chat_path.start_chat(ctx, chat_path.chat_request(chat_fields(req)), "msg")
     if req.stream:
         return SSEResponse(MessageEvents(run).events(), run.streams, ctx.stream_send_timeout)
-    final = await final_output(raw, run)
+    final = await chat_path.final_output(raw, run)
     return final if isinstance(final, Response) else json_response(message_body(run, final))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, raw: Request) -> Response:
     ctx = server_of(raw)
-    chat = chat_request(conversation(req))
+    chat = chat_path.chat_request(conversation(req))
     ctx.check_model(chat.model)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] if chat.tool_choice != "none" else None
     prompt = await render_chat(ctx, chat.messages, True, tools)
@@ -169,7 +162,7 @@ class MessageEvents:
 
     def __init__(self, run: ChatRun) -> None:
         self.run = run
-        self.splitter = OutputSplitter(run.tools)
+        self.splitter = chat_path.OutputSplitter(run.tools)
         self.blocks = 0  # content blocks started
         self.text_open = False
         self.calls = False
