@@ -162,6 +162,8 @@ def test_the_client_raises_on_errors_and_keys(claude, server):
     bearer = httpx.post(f"{server.url}/v1/messages", headers={"Authorization": f"Bearer {API_KEY}"},
                         json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert bearer.status_code == 200 and bearer.json()["usage"]["output_tokens"] == 2
+    samples = httpx.get(f"{server.url}/metrics").text
+    assert 'pagedllm:endpoint_requests_total{endpoint="/v1/messages",model_name="tiny"}' in samples
 
 
 def test_output_config_json_schema(claude):

@@ -236,3 +236,13 @@ def test_json_object_format(client):
                                 temperature=0, max_output_tokens=40)
     assert r.output_text.startswith("{")
     assert json.dumps(r.text.format.type) == '"json_object"'
+
+
+def test_metrics_by_endpoint(client, server):
+    before = metrics(server)
+    client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    after = metrics(server)
+    for endpoint in ("/v1/responses", "/v1/chat/completions"):
+        key = ("pagedllm:endpoint_requests_total", (("endpoint", endpoint),))
+        assert after[key] == before.get(key, 0) + 1
