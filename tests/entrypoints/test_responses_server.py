@@ -5,6 +5,7 @@ the prefix cache hit turn by turn) and the store's bounds; bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -246,3 +247,21 @@ def test_metrics_by_endpoint(client, server):
     for endpoint in ("/v1/responses", "/v1/chat/completions"):
         key = ("pagedllm:endpoint_requests_total", (("endpoint", endpoint),))
         assert after[key] == before.get(key, 0) + 1
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 900, "stream": True}),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 900, "stream": True, "messages": [{"role": "user",
+                                                                                       "content": "Hi"}]}),
+    ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 900}),
+])
+def test_a_client_that_leaves_aborts_its_request(server, path, body):
+    key = ("pagedllm:request_success_total", (("finished_reason", "abort"),))
+    before = metrics(server).get(key, 0)
+    with pytest.raises(httpx.ReadTimeout) if not body.get("stream") else contextlib.nullcontext():
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=0.5 if not body.get("stream") else 60) as r:
+            next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while metrics(server).get(key, 0) < before + 1:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.1)
