@@ -172,3 +172,8 @@ def test_output_config_json_schema(claude):
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     assert m.stop_reason == "end_turn"
     MODELS["add"].model_validate_json(m.content[0].text)
+
+
+def test_long_texts_are_not_lists(claude):
+    m = claude.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "word " * 600}])
+    assert m.usage.input_tokens > 600

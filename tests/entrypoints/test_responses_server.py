@@ -265,3 +265,11 @@ def test_a_client_that_leaves_aborts_its_request(server, path, body):
     while metrics(server).get(key, 0) < before + 1:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.1)
+
+
+def test_long_texts_are_not_lists(client):
+    """The bounds on the number of items and parts leave the length of a text alone."""
+    long = "word " * 600
+    r = client.responses.create(model="tiny", input=long, max_output_tokens=1)
+    assert client.responses.create(model="tiny", input=[{"role": "user", "content": long}],
+                                   max_output_tokens=1).usage.input_tokens == r.usage.input_tokens

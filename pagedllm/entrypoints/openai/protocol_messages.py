@@ -3,7 +3,7 @@ body it sends back (the fields the official `anthropic` client reads)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,7 +39,7 @@ class ContentBlock(RequestModel):
 
 class AnthropicMessage(RequestModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock] = Field(max_length=MAX_CONTENT_PARTS)
+    content: str | Annotated[list[ContentBlock], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class AnthropicTool(RequestModel):

@@ -28,7 +28,7 @@ class InputText(RequestModel):
 class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText] = Field(max_length=MAX_CONTENT_PARTS)
+    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class FunctionCallItem(RequestModel):
@@ -85,7 +85,7 @@ class TextConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str | None = None
-    input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
