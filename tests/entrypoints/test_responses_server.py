@@ -80,6 +80,7 @@ def test_stream_equals_create_in_the_clients_order(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
+    assert client.responses.retrieve(events[-1].response.id).output_text == text  # stored once streamed
 
 
 def test_tool_calls_and_their_outputs_fed_back(client):
