@@ -5,6 +5,7 @@ each."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, fields
@@ -15,8 +16,10 @@ from pagedllm.cpus import cpu_budget
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+KV_CACHE_DTYPE_CHOICES = KV_CACHE_DTYPES[:-1]  # the flag offers no fp8: it is always refused (validate)
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -61,6 +64,11 @@ class SchedulerConfig:
     # sequences run (small steps are bound by reading the weights, big ones by FLOPs); 0 turns it off
     num_speculative_tokens: int = 4
     speculative_disable_by_batch_size: int = 16
+    # Who waits (the paged continuous scheduler; core/policies.py): fcfs (arrival; the newest preempted first),
+    # priority (a request's `priority`, lower first; lower priorities preempted first) or fair (the Virtual Token
+    # Counter: the client served least goes first); client_weights: each client's share under fair (default 1)
+    scheduling_policy: str = "fcfs"
+    client_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +99,28 @@ class SchedulerConfig:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be positive, got "
                              f"{self.speculative_disable_by_batch_size}")
+        self._validate_policy()
+
+    def _validate_policy(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.scheduling_policy != "fcfs" and (self.kv_policy != "paged" or self.batching != "continuous"):
+            raise ValueError(f"scheduling_policy {self.scheduling_policy} needs kv_policy paged, continuous batching")
+        if any(not isinstance(w, (int, float)) or w <= 0 for w in (self.client_weights or {}).values()):
+            raise ValueError("client_weights must be positive numbers")
+
+
+def load_client_weights(path: str) -> dict[str, float]:
+    """--client-weights: a JSON file of {"client": weight}, each client's share under the fair policy."""
+    try:
+        with open(path) as f:
+            weights = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read client weights from {path}: {e}") from None
+    if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+        raise argparse.ArgumentTypeError(f"{path} must hold a JSON object of client name -> positive weight")
+    return {str(k): float(v) for k, v in weights.items()}
 
 
 @dataclass
@@ -125,6 +155,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    client_weights: dict[str, float] | None = SchedulerConfig.client_weights
 
     def __post_init__(self) -> None:
         self.validate()
@@ -189,20 +221,27 @@ class EngineConfig:
         d = EngineConfig.__dataclass_fields__
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-        g.add_argument("--dtype", default=d["dtype"].default, choices=["auto", "bfloat16", "float32"])
-        g.add_argument("--block-size", type=int, default=d["block_size"].default)
+        g.add_argument("--dtype", default=d["dtype"].default, choices=["auto", "bfloat16", "float32"],
+                       help="weights and activations; auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32")
+        g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d["kv_cache_memory"].default,
                        help="KV cache size, e.g. 4GiB or 512MiB (a bare number is GiB)")
         g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-        g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
-        g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
+                       help="sequences running in one step at most")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
+                       help="tokens in one step at most (prompt chunks plus decodes)")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + output tokens per sequence at most (default: the model's context, capped by "
+                            "what the KV cache holds)")
+        g.add_argument("--threads", type=int, default=None,
+                       help="torch threads (default: the CPUs this process may use, from its affinity and cgroup "
+                            "quota)")
         g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
                        help="int4: a GGUF file's 4-bit weights serve small steps as stored (bf16 only); w8a8: that, "
                             "and int8 weights and activations for every other step; auto: w8a8 for a bf16 engine on "
                             "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
-        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPES,
+        g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
                             "bf16's bytes (1.6x the tokens in the same memory); auto: the model's dtype")
         g.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"].default,
@@ -211,7 +250,9 @@ class EngineConfig:
         g.add_argument("--speculative-disable-by-batch-size", type=int,
                        default=d["speculative_disable_by_batch_size"].default,
                        help="speculate only while at most this many sequences run (bigger steps are bound by FLOPs)")
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"],
+                       help="cpp: the paged attention kernel; reference: plain torch (slow, for tests); auto: cpp "
+                            "where it is built")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"].default, help="reuse the KV blocks of shared prompt prefixes")
         g.add_argument("--seed", type=int, default=0, help="random seed (for generate: the request's own seed)")
@@ -221,6 +262,11 @@ class EngineConfig:
         g.add_argument("--batching", default=d["batching"].default, choices=BATCHING_MODES,
                        help="continuous (a request joins or leaves at any step) or static (a new batch only once the "
                             "last one has finished)")
+        g.add_argument("--scheduling-policy", default=d["scheduling_policy"].default, choices=SCHEDULING_POLICIES,
+                       help="who waits and who is preempted: fcfs (arrival order), priority (the request's priority, "
+                            "lower first) or fair (per client, the API's `user`: the one served least goes first)")
+        g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
+                       help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -235,8 +281,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 (None: open)
+    api_key_utility_routes: bool = False  # the API key guards /tokenize and /detokenize too (vLLM leaves them open)
     served_model_name: list[str] | None = None  # the names clients use (None: --model as given)
-    max_waiting_requests: int = 256  # requests accepted but not running; beyond, 503 with Retry-After
+    # sequences (each request's prompts x n) accepted but not running; beyond, 503 with Retry-After, and a request
+    # that alone asks for more is a 400 (the name is vLLM-style; what it counts is what the scheduler queues)
+    max_waiting_requests: int = 256
     max_request_bytes: int = 2 << 20  # JSON parsing runs on the event loop: ~0.1-0.25 s per MiB at worst
     body_timeout: float = 30.0  # seconds to receive a whole request body
     stream_send_timeout: float = 30.0  # seconds a stream waits for its client to take the next chunk
@@ -247,13 +296,20 @@ class ServerConfig:
     disable_log_stats: bool = False
     no_dashboard: bool = False
     dashboard_rate: float = 4.0  # /dashboard: KV snapshots per second at most
+    max_dashboard_streams: int = 16  # /dashboard/events streams open at once (each costs the event loop per frame)
     uvicorn_log_level: str = "info"
+    # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
+    # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                     "timeout_keep_alive", "responses_store_size", "responses_store_ttl"):
-            if getattr(self, flag) <= 0:
+                     "timeout_keep_alive", "default_max_tokens", "max_dashboard_streams", "responses_store_size",
+                     "responses_store_ttl"):
+            if getattr(self, flag) is not None and getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
+        if self.api_key_utility_routes and not self.api_key:
+            raise ValueError("--api-key-utility-routes needs an API key (--api-key or $PAGEDLLM_API_KEY)")
 
     @property
     def dashboard(self) -> float | None:
@@ -265,14 +321,18 @@ class ServerConfig:
         """The server flags (vLLM's names where they have one)."""
         d = ServerConfig.__dataclass_fields__
         g = parser.add_argument_group("server")
-        g.add_argument("--host", default=d["host"].default)
-        g.add_argument("--port", type=int, default=d["port"].default)
+        g.add_argument("--host", default=d["host"].default, help="address to listen on (0.0.0.0: every interface)")
+        g.add_argument("--port", type=int, default=d["port"].default, help="port to listen on")
         g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
                                                        "(default: $PAGEDLLM_API_KEY)")
+        g.add_argument("--api-key-utility-routes", action="store_true",
+                       help="the API key guards /tokenize and /detokenize too (by default they are open, as vLLM's; "
+                            "open or not, their tokenizer work has its own thread and a bounded queue, 503 past it)")
         g.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: --model as given)")
         g.add_argument("--max-waiting-requests", type=int, default=d["max_waiting_requests"].default,
-                       help="requests queued beyond this get 503 with Retry-After")
+                       help="sequences (a request's prompts x n) that may wait to run; a request that would take "
+                            "them past this gets 503 with Retry-After, one that alone asks for more gets 400")
         g.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
                        help="larger request bodies get 413 before they are read")
         g.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
@@ -290,8 +350,15 @@ class ServerConfig:
         g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")
         g.add_argument("--dashboard-rate", type=float, default=d["dashboard_rate"].default,
                        help="/dashboard: KV snapshots per second at most, taken between engine steps")
+        g.add_argument("--max-dashboard-streams", type=int, default=d["max_dashboard_streams"].default,
+                       help="/dashboard/events streams (open dashboard pages) at once; more get 503")
         g.add_argument("--uvicorn-log-level", default=d["uvicorn_log_level"].default,
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log (one line per HTTP request at info)")
+        g.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default,
+                       help="max_tokens of a request that sets none (default: the rest of the context, as OpenAI and "
+                            "vLLM; a small model can run to the end of it, thousands of tokens). A request's own "
+                            "max_tokens is never capped by it")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:

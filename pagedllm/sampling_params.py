@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.errors import InvalidRequestError
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator.manual_seed takes [-2**63, 2**64); sample i draws seed + i
+MAX_CLIENT_CHARS = 256  # a client name is a key the fair scheduler keeps a counter under
 
 
 @dataclass
@@ -75,6 +76,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
+    # Who waits: the scheduling hints ride with the sampling params so every engine client carries them unchanged.
+    # priority: lower runs first (vLLM's convention), read under --scheduling-policy priority; client: who asked (the
+    # API's `user` field), between whom --scheduling-policy fair shares the service (None: one anonymous client)
+    priority: int = 0
+    client: str | None = None
 
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -120,6 +126,10 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams"),
+            (isinstance(self.priority, int) and not isinstance(self.priority, bool),
+             f"priority must be an integer, got {self.priority!r}"),
+            (self.client is None or (isinstance(self.client, str) and len(self.client) <= MAX_CLIENT_CHARS),
+             f"client must be a string of at most {MAX_CLIENT_CHARS} characters"),
         ]
         for ok, message in checks:
             if not ok:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
-ARGPARSE_PRIVATE = {"_SubParsersAction", "_actions"}  # argparse has no public names for these
+ARGPARSE_PRIVATE = {"_SubParsersAction", "_actions", "_format_action"}  # argparse has no public names for these
 MAX_LINES = 480  # "about 450": one concept per module
 # close_objects and check_schema, pure functions of a JSON schema that tool calls share with the grammar compiler
 ENGINE_IMPORTS_BESIDE_THE_PROTOCOL = {"pagedllm.entrypoints.openai.tool_calls": {"pagedllm.engine.structured_output",

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.model.tokenizer import Tokenizer
@@ -101,6 +102,7 @@ def generate_static(model, requests: Sequence[Request], batch_size: int) -> list
     from torch.nn.utils.rnn import pad_sequence
 
     outputs = []
+    bar = tqdm(total=len(requests), desc="hf generate", unit="req", disable=None, dynamic_ncols=True)
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
         prompts = [torch.tensor(r.prompt_token_ids) for r in batch]
@@ -110,6 +112,8 @@ def generate_static(model, requests: Sequence[Request], batch_size: int) -> list
                              generation_config=greedy_config(max(r.output_len for r in batch)))
         width = input_ids.shape[1]
         outputs += [row[width:width + r.output_len].tolist() for row, r in zip(out, batch)]
+        bar.update(len(batch))
+    bar.close()
     return outputs
 
 
@@ -131,15 +135,18 @@ def generate_continuous(manager, requests: Sequence[Request]) -> list[list[int]]
     for i, r in enumerate(requests):
         manager.add_request(r.prompt_token_ids, request_id=f"req-{i}", max_new_tokens=r.output_len)
     results: dict[str, list[int]] = {}
+    bar = tqdm(total=len(requests), desc="hf continuous batching", unit="req", disable=None, dynamic_ncols=True)
     while len(results) < len(requests):
         result = manager.get_result(timeout=1)
         if result is not None and result.is_finished():
             if result.error is not None:
                 raise RuntimeError(f"transformers continuous batching failed on {result.request_id}: {result.error}")
             results[result.request_id] = result.generated_tokens
+            bar.update()
         elif result is None and not manager.is_running():
             raise RuntimeError("transformers continuous batching stopped before finishing every request "
                                f"({len(results)} of {len(requests)} done)")
+    bar.close()
     return [results[f"req-{i}"] for i in range(len(requests))]
 
 

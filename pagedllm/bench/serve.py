@@ -393,12 +393,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`pagedllm serve ARGV` as a subprocess on a free local port, ready (/health) for as long as the `with` lasts."""
+    """`pagedllm serve ARGV` as a subprocess on `port` (default: a free local one), ready (/health) for as long as the
+    `with` lasts."""
 
     def __init__(self, argv: Sequence[str], log_path: str, timeout: float = 600.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, port: int | None = None) -> None:
         self.argv, self.log_path, self.timeout, self.env = list(argv), log_path, timeout, env
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -461,7 +462,7 @@ def run_sweep(requests: Sequence[Any], rates: Sequence[float], policies: Sequenc
               *, arrivals: Callable[[int, float], list[float]], pass_policy: bool = True,
               max_concurrency: int | None = None, log_dir: str | None = None, server_timeout: float = 600.0,
               sample_interval: float = 0.5, env: dict[str, str] | None = None,
-              progress: bool | None = None) -> dict[str, Any]:
+              progress: bool | None = None, port: int | None = None) -> dict[str, Any]:
     """For each policy: launch `pagedllm serve SERVER_ARGV --kv-policy P`, run the same requests at every rate (in
     the order given, arrivals from `arrivals(num, rate)`), stop the server. Every run's summary is one point."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="pagedllm-sweep-")
@@ -471,7 +472,7 @@ def run_sweep(requests: Sequence[Any], rates: Sequence[float], policies: Sequenc
         argv = [*server_argv, *(["--kv-policy", policy] if pass_policy else [])]
         log_path = os.path.join(log_dir, f"server-{policy}.log")
         print(f"[{policy}] launching the server (log: {log_path})", file=sys.stderr)
-        with ServerProcess(argv, log_path, server_timeout, env) as server:
+        with ServerProcess(argv, log_path, server_timeout, env, port) as server:
             model = fetch_model_card(server.url)["id"]
             for rate in rates:
                 run = asyncio.run(run_benchmark(server.url, model, requests, arrivals(len(requests), rate),
@@ -482,7 +483,7 @@ def run_sweep(requests: Sequence[Any], rates: Sequence[float], policies: Sequenc
                 print(f"[{policy}] rate {rate}: " + ", ".join(f"{k} {point[k]}" for k in SUMMARY_KEYS),
                       file=sys.stderr)
     return {"policies": list(policies), "request_rates": [rate_json(r) for r in rates],
-            "server_argv": list(server_argv), "server_log_dir": log_dir, "points": points}
+            "server_argv": list(server_argv), "server_port": port, "server_log_dir": log_dir, "points": points}
 
 
 def max_sustainable_rates(points: Sequence[dict[str, Any]], policies: Sequence[str],
@@ -538,6 +539,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                          "(default: --threshold-factor x paged's latency at the lowest rate)")
     sw.add_argument("--threshold-factor", type=float, default=5.0)
     sw.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
+    sw.add_argument("--port", type=int, default=None, help="port of each launched server, on 127.0.0.1, one at a "
+                                                         "time (default: a free one)")
     sw.add_argument("--server-log-dir", default=None)
     sw.add_argument("--output-json", default=None)
     sw.add_argument("--plot", default=None, help="PNG of normalized latency vs request rate; the timelines go to "
@@ -668,7 +671,8 @@ def cmd_sweep(args: argparse.Namespace, actions: Sequence[argparse.Action]) -> i
         result = run_sweep(requests, rates, policies, passthrough_argv(args, actions) + SWEEP_SERVER_FLAGS,
                            arrivals=functools.partial(poisson_arrivals, seed=args.seed), pass_policy=pass_policy,
                            max_concurrency=args.max_concurrency, log_dir=args.server_log_dir,
-                           server_timeout=args.server_timeout, sample_interval=args.metrics_interval)
+                           server_timeout=args.server_timeout, sample_interval=args.metrics_interval,
+                           port=args.port)
     except RuntimeError as e:  # a server that would not start: its log says why
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -142,7 +142,7 @@ def run_workload(llm, requests: list[BenchRequest]) -> int:
             groups.setdefault((r.beam_width, r.output_len), []).append(r)
     for (width, length), group in groups.items():
         beams = llm.beam_search([{"prompt_token_ids": r.prompt_token_ids} for r in group],
-                                BeamSearchParams(beam_width=width, max_tokens=length, ignore_eos=True))
+                                BeamSearchParams(beam_width=width, max_tokens=length, ignore_eos=True), use_tqdm=True)
         n_out += sum(len(s.tokens) - len(r.prompt_token_ids) for o, r in zip(beams, group) for s in o.sequences)
     return n_out
 

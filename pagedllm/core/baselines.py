@@ -10,6 +10,7 @@ from collections.abc import Hashable
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager, blocks_for
 from pagedllm.core.plan import SchedulerOutput
+from pagedllm.core.policies import FairScheduler, PriorityScheduler
 from pagedllm.core.scheduler import Scheduler, Writes
 from pagedllm.core.sequence import Sequence, SequenceGroup
 
@@ -114,14 +115,20 @@ class StaticReservingScheduler(StaticBatching, ReservingScheduler):
     """Static batching with contiguous reservations: the paper's Orca baselines as Orca ran them."""
 
 
+POLICIES: dict[str, type[Scheduler]] = {"fcfs": Scheduler, "priority": PriorityScheduler, "fair": FairScheduler}
+
+
 def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:
-    """The scheduler (and its block manager) for a memory policy and a batching mode; `config.max_model_len` is the
-    resolved one (None: what the pool holds)."""
+    """The scheduler (and its block manager) for a memory policy, a batching mode and a scheduling policy (who waits:
+    only the paged continuous scheduler has a choice); `config.max_model_len` is the resolved one (None: what the
+    pool holds)."""
     limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
     if config.kv_policy == "paged":
-        cls = StaticBatching if config.batching == "static" else Scheduler
+        cls = StaticBatching if config.batching == "static" else POLICIES[config.scheduling_policy]
         speculation = (config.num_speculative_tokens, config.speculative_disable_by_batch_size) \
             if config.speculates else (0, 0)
-        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits, *speculation)
+        weights = {"client_weights": config.client_weights} if cls is FairScheduler else {}
+        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits, *speculation,
+                   **weights)
     cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
     return cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)

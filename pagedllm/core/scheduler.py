@@ -4,12 +4,34 @@ tokens each computes. The paper's baselines (static batching, contiguous reserva
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from typing import Protocol
 
 from pagedllm.core.block_manager import BlockManager, Prefix, Write
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Writes = list[tuple[Sequence, Write]]
+
+
+class WaitingQueue(Protocol):
+    """The waiting groups: a deque under FCFS, or a policy's queue whose front is its pick (core/policies.py)."""
+
+    def append(self, group: SequenceGroup) -> None: ...  # a new request
+
+    def appendleft(self, group: SequenceGroup) -> None: ...  # a preempted one, first of its kind again
+
+    def popleft(self) -> SequenceGroup: ...
+
+    def remove(self, group: SequenceGroup) -> None: ...
+
+    def __getitem__(self, index: int) -> SequenceGroup: ...  # [0]: the next to admit
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[SequenceGroup]: ...
+
+    def __contains__(self, group: object) -> bool: ...
 
 
 class Scheduler:
@@ -23,7 +45,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or block_manager.num_total_blocks * block_manager.block_size
-        self.waiting: deque[SequenceGroup] = deque()
+        self.waiting: WaitingQueue = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         # Speculative decoding (prompt lookup): up to this many proposed tokens per greedy decode, while at most
@@ -92,9 +114,9 @@ class Scheduler:
         return seq.lookup.propose(seq.token_ids, room) if room > 0 else []
 
     def _make_room(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> bool:
-        """Preempt the newest running groups until `group` gets its blocks; False if `group` itself went."""
+        """Preempt running groups (`_victim`: the newest) until `group` gets its blocks; False if `group` went."""
         while self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
-            victim = self.running[-1]
+            victim = self._victim()
             self.preempt(victim, out)
             if victim is group:
                 return False
@@ -118,7 +140,11 @@ class Scheduler:
                                               draft))
             out.budget -= w.end - w.start
 
-    # ---- hooks the baselines override ----------------------------------------------------------------------------
+    # ---- hooks the baselines and policies override ---------------------------------------------------------------
+    def _victim(self) -> SequenceGroup:
+        """The running group to preempt when blocks run out: the newest."""
+        return self.running[-1]
+
     def _seats_for_next(self) -> bool:
         return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs
 

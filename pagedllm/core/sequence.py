@@ -132,3 +132,16 @@ class SequenceGroup:
     @property
     def unforked(self) -> list[Sequence]:
         return [] if self.forked else self.seqs[1:]
+
+    @property
+    def priority(self) -> int:
+        return self.seqs[0].params.priority
+
+    @property
+    def client(self) -> str | None:
+        return self.seqs[0].params.client
+
+    @property
+    def num_preemptions(self) -> int:
+        """Times the group was preempted (its samples are preempted together; a finished one stops counting)."""
+        return max(s.num_preemptions for s in self.seqs)

@@ -99,8 +99,10 @@ class AsyncRequestStream(RequestStream):
     slower than the engine gets several tokens at once, and an unread stream holds one output, not one per token
     (as vLLM's RequestOutputCollector)."""
 
-    def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
+    def __init__(self, request_id: str, owner: AsyncLLMEngine, num_seqs: int = 1) -> None:
         self.request_id = request_id
+        self.num_seqs = num_seqs  # its n: what it counts for admission until its first output
+        self.started = False  # an output arrived: the scheduler took the request
         self.finished = False
         self._owner = owner
         self._latest: RequestOutput | BaseException | None = None
@@ -211,6 +213,11 @@ class AsyncLLMEngine(EngineClient):
         """Requests accepted but not running yet (queued here or in the scheduler)."""
         return max(0, len(self._streams) - self.num_running)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences of the requests in flight that have no output yet (queued here or in the scheduler)."""
+        return sum(s.num_seqs for s in self._streams.values() if not s.started)
+
     def check_alive(self) -> None:
         if self.restarting and self.dead_error is None:
             raise EngineRestartingError(self._restarting_message())
@@ -223,11 +230,11 @@ class AsyncLLMEngine(EngineClient):
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> AsyncRequestStream:
         """Queue a request for the loop thread; its outputs (or its error) arrive on the returned stream.
-        Admission (the waiting-queue bound) is the caller's `check_admission()`, once per request group."""
+        Admission (the waiting-queue bound) is the caller's `check_admission(num_seqs)`, once per request group."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = AsyncRequestStream(request_id, self)
+        stream = AsyncRequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, params, arrival_time or time.time()))
         return stream
@@ -248,6 +255,7 @@ class AsyncLLMEngine(EngineClient):
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # cancelled meanwhile
+            stream.started = True
             stream.put(item)
             if isinstance(item, BaseException) or item.finished:  # no longer in flight, even if unread
                 self._forget(request_id)

@@ -23,6 +23,22 @@ MAX_RULE_DEPTH = 200  # rules along any chain of references in a Lark / GBNF gra
 MAX_RULES = 5_000  # rules in a Lark / GBNF grammar
 MAX_REPEAT = 5_000  # nested counted repetitions ({n}, {m,n}) multiplied: a mask row of a{5000} ~1.4 ms, a{10000} ~15
 MAX_CHOICES = 10_000  # entries of a `choice` list (100,000 compiled for 135 s; 10,000 in 0.2 s)
+# What one request's grammar masks may cost each step (CPU time, all its samples' rows summed), averaged over its last
+# MASK_BUDGET_STEPS steps: over it the request fails. a{5000} costs ~1.1 ms a row, so n=32 of it ~35 ms a step.
+MAX_MASK_MS_PER_STEP = 10.0
+MASK_BUDGET_STEPS = 8
+
+
+def check_mask_cost(row_seconds: float, n: int) -> None:
+    """n samples of a grammar whose mask costs `row_seconds` a row (measured in its start state) within the mask
+    budget; the budget itself is enforced step by step (structured_output.MaskBudget), this refuses the plain cases
+    before a step is spent."""
+    step_ms = n * row_seconds * 1e3
+    if step_ms > MAX_MASK_MS_PER_STEP:
+        raise InvalidRequestError(
+            f"the grammar's token mask costs {row_seconds * 1e3:.2f} ms of CPU per sample: {n} samples would cost "
+            f"{step_ms:.1f} ms every step, over the limit of {MAX_MASK_MS_PER_STEP:g} ms; a simpler grammar or "
+            "fewer samples (n) fit")
 
 
 def check_size(text: str, what: str) -> None:

@@ -64,8 +64,9 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int, ma
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
     if len(ids) >= max_model_len:
-        raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len} "
-                                  "(it must leave room for at least one generated token)")
+        raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (it must "
+                                  "leave room for a generated token; set by --max-model-len, or by the KV cache's "
+                                  "size: --kv-cache-memory, --num-blocks)")
     return ids
 
 
@@ -110,6 +111,10 @@ class LLMEngine:
         if wanted is not None and wanted > capacity:
             raise ValueError(f"max_model_len {wanted} does not fit in the KV cache ({capacity} tokens); "
                              "raise kv_cache_memory or num_blocks")
+        if wanted is None and capacity < model_len:
+            logger.warning("max_model_len is %d, the tokens the KV cache holds (%d blocks of %d), below the model's "
+                           "context of %d: raise --kv-cache-memory or --num-blocks for longer sequences", capacity,
+                           num_blocks, self.config.block_size, model_len)
         return wanted or min(model_len, capacity)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -119,9 +124,12 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
-        """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler."""
+                    arrival_time: float | None = None, priority: int | None = None) -> Sequence:
+        """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler.
+        `priority` (vLLM's argument) stands for params.priority."""
         params = params or SamplingParams()
+        if priority is not None:
+            params = dataclasses.replace(params, priority=priority)
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:

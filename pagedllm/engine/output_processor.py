@@ -6,13 +6,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
-from pagedllm.engine.structured_output import StructuredOutputManager, advance_grammar
+from pagedllm.engine.structured_output import (
+    GrammarBrokenError,
+    MaskBudget,
+    StructuredOutputManager,
+    advance_grammar,
+)
 from pagedllm.model.sampler import GrammarMask, SamplerOutput
 from pagedllm.model.timing import NO_TIMER, PartTimer
 from pagedllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -21,6 +28,15 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 logger = logging.getLogger("pagedllm")
 
 Emitted = list[tuple[Sequence, int, int]]  # (sequence, its first sampled row, the tokens it gets) in row order
+
+
+@dataclass
+class PendingFill:
+    """A step's grammar mask on the mask thread: each row's request, and each row's CPU seconds once filled."""
+
+    request_ids: list[str]
+    costs: list[float]
+    future: Future[torch.Tensor]
 
 
 class OutputProcessor:
@@ -33,6 +49,10 @@ class OutputProcessor:
         self.structured = structured
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}  # by seq_id
         self.matchers: dict[int, Any] = {}  # by seq_id: the grammar state of structured-output sequences
+        self.grammar_requests: dict[int, str] = {}  # by seq_id: the request of each sequence with a grammar
+        self.mask_budget = MaskBudget()
+        self._filling: PendingFill | None = None  # the step's mask, while the mask thread fills it
+        self._over_budget: dict[str, GrammarBrokenError] = {}  # requests the last fills put over the mask budget
         self.set_timer(NO_TIMER)
 
     def set_timer(self, timer: PartTimer) -> None:
@@ -46,31 +66,52 @@ class OutputProcessor:
                                                                    seq.params.skip_special_tokens)
         for seq, matcher in zip(seqs, matchers):
             self.matchers[seq.seq_id] = matcher
+            self.grammar_requests[seq.seq_id] = seq.request_id
 
     def release(self, seq_id: int) -> None:
         self.detokenizers.pop(seq_id, None)
         self.matchers.pop(seq_id, None)
+        self.grammar_requests.pop(seq_id, None)
 
     def grammar_mask(self, plan: SchedulerOutput) -> GrammarMask | None:
-        """The next tokens each structured-output sequence's grammar allows, for its sampling row; None if no
-        sequence of the step has a grammar."""
+        """The next tokens each structured-output sequence's grammar allows, for its sampling row, filled on the mask
+        thread while the model runs (the sampler waits for it); None if no sequence of the step has a grammar."""
+        self.finish_fill()  # a step that failed before sampling may have left one filling
         if not self.matchers:
             return None
-        rows = [(row, m) for row, seq in enumerate(plan.sampling_rows)
-                if (m := self.matchers.get(seq.seq_id)) is not None]
+        rows = [(row, seq.seq_id) for row, seq in enumerate(plan.sampling_rows) if seq.seq_id in self.matchers]
         if not rows:
             return None
-        return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64),
-                           self.structured.fill_bitmask([m for _, m in rows]))
+        costs: list[float] = []
+        future = self.structured.start_fill([self.matchers[seq_id] for _, seq_id in rows], costs)
+        self._filling = PendingFill([self.grammar_requests[seq_id] for _, seq_id in rows], costs, future)
+        return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64), future)
+
+    def finish_fill(self) -> None:
+        """Wait for the step's mask (its matchers move next), charge each request its rows' CPU time and note those
+        now over the mask budget."""
+        filling, self._filling = self._filling, None
+        if filling is None or filling.future.exception() is not None:  # a failed fill failed its step already
+            return
+        costs: dict[str, float] = {}
+        for request_id, seconds in zip(filling.request_ids, filling.costs):
+            costs[request_id] = costs.get(request_id, 0.0) + seconds
+        if len(self.mask_budget) > 2 * len(self.grammar_requests) + 64:
+            self.mask_budget.keep_only(set(self.grammar_requests.values()))
+        self._over_budget.update(self.mask_budget.charge(costs))
 
     def process(self, emitted: Emitted, sampled: SamplerOutput) -> dict[str, Exception | None]:
         """Each sampled token through the stop checks and the detokenizer, in order (a sequence that stops drops the
         rest of its step's tokens). Every request touched, in order, with the error it raised (it fails alone)."""
         touched: dict[str, Exception | None] = {}
+        self.finish_fill()
+        over_budget, self._over_budget = self._over_budget, {}
         for seq, first_row, count in emitted:
             if touched.get(seq.request_id) is not None:
                 continue
-            touched.setdefault(seq.request_id, None)
+            touched.setdefault(seq.request_id, over_budget.get(seq.request_id))
+            if touched[seq.request_id] is not None:
+                continue
             try:
                 for row in range(first_row, first_row + count):
                     if not seq.is_finished:

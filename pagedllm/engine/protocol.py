@@ -8,9 +8,10 @@ The OpenAI server imports the engine through this module only, so a new backend 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -37,7 +38,11 @@ class RequestFailedError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later."""
+    """Too many sequences are waiting; the caller should retry later."""
+
+
+class TooManySequencesError(InvalidRequestError):
+    """One request asks for more sequences (prompts x n) than may ever wait: retrying cannot help (a 400)."""
 
 
 class RequestStream(Protocol):
@@ -114,7 +119,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     max_prompt_chars: int | None  # a longer text is refused before it is tokenized (None: not known)
-    max_waiting_requests: int  # admission: requests accepted but not running, at most
+    max_waiting_requests: int  # admission: sequences (prompts x n) accepted but not running, at most
 
     def start(self) -> None:
         """Start serving; call from the event loop that will read the streams."""
@@ -128,6 +133,10 @@ class EngineClient(Protocol):
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not running yet."""
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences (each request's n) accepted whose request has produced no output yet: what admission bounds."""
 
     def check_alive(self) -> None:
         """Raise EngineDeadError or EngineRestartingError unless serving."""
@@ -144,20 +153,30 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; its outputs (or its error) arrive on the returned stream. Admission is the caller's
-        `check_admission()`, once per request group."""
+        `check_admission(num_seqs)`, once per request group."""
 
     def abort(self, request_id: str) -> None: ...
 
-    def check_admission(self) -> None:
-        """Raise before anything is queued if the engine is not serving or too many requests wait."""
+    def check_admission(self, num_seqs: int = 1) -> None:
+        """Raise before anything is queued if the engine is not serving, or if the `num_seqs` sequences a request
+        adds (its prompts x n) would take the waiting ones past the bound: a request that alone exceeds it can never
+        be admitted (TooManySequencesError, a 400), one that does not fit now may be retried (QueueFullError, a
+        503). Counting sequences, not requests, keeps one batched request from queueing hundreds of times its share."""
         self.check_alive()
-        if self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting; retry later")
+        bound = self.max_waiting_requests
+        if num_seqs > bound:
+            raise TooManySequencesError(
+                f"this request asks for {num_seqs} sequences (prompts x n); at most {bound} may wait "
+                "(--max-waiting-requests): send fewer prompts or a smaller n")
+        waiting = self.num_waiting_seqs
+        if waiting + num_seqs > bound:
+            raise QueueFullError(f"{waiting} sequences are already waiting and this request adds {num_seqs} "
+                                 f"(--max-waiting-requests {bound}); retry later")
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        ) -> AsyncIterator[RequestOutput]:
         """vLLM's shape: an async generator of outputs; closing it early aborts the request."""
-        self.check_admission()
+        self.check_admission(params.n)
         stream = self.add_request(request_id, prompt, params)
         try:
             async for out in stream:
@@ -167,9 +186,15 @@ class EngineClient(Protocol):
 
 
 class ReplicaSetClient(EngineClient, Protocol):
-    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics."""
+    """An engine client over several replicas: their own metrics, and the router's counts, for /metrics; their KV
+    snapshots for /dashboard."""
 
     router: Router
 
     def replica_metrics(self) -> list[tuple[int, str]]:
         """Each replica's Prometheus text, by replica index."""
+
+    def watch_kv(self, listener: Callable[[int, KVSnapshot], None]) -> None:
+        """Call `listener(replica, snapshot)` on the event loop with every KV snapshot (LLMEngine.kv_snapshot) that
+        a replica takes on its engine thread: per replica, in order, a full one first (also after a restart), then
+        diffs (for the dashboard)."""

@@ -17,18 +17,21 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pagedllm
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.cpus import cpu_budget
 from pagedllm.engine.llm_engine import tokenize_prompt
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, RequestStream, ServingObserver
-from pagedllm.engine.replica import EngineReplica, ReplicaInfo, ReplicaStatus
+from pagedllm.engine.replica import KV_SNAPSHOT, EngineReplica, ReplicaInfo, ReplicaStatus
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, Route, Router
 from pagedllm.engine.structured_output import grammar_text
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_view import KVSnapshot
 
 logger = logging.getLogger("pagedllm.engine.replica_pool")
 NAMESPACE = "pagedllm"
@@ -50,6 +53,7 @@ class PoolConfig:
     index_blocks: int | None = None  # per replica; default: the replica's KV pool, which holds no more
     ray_address: str | None = None  # None: start a local Ray instance for the server's lifetime
     max_waiting_requests: int = ServerConfig.max_waiting_requests
+    kv_snapshot_rate: float | None = None  # KV snapshots a second per replica while it works (None: none)
     health_interval: float = 1.0
     health_timeout: float = 10.0
     max_restarts: int = 1000
@@ -180,7 +184,8 @@ class ReplicaPool(EngineClient):
         self.replicas = [Replica(i, actor_class.options(
             name=f"{prefix}-{i}", namespace=NAMESPACE, num_cpus=threads, max_restarts=pool_config.max_restarts,
             max_task_retries=0, max_concurrency=10_000).remote(self.config, pool_config.max_waiting_requests,
-                                                               observer_factory), f"{prefix}-{i}")
+                                                               observer_factory, pool_config.kv_snapshot_rate),
+            f"{prefix}-{i}")
             for i in range(n)]
         try:
             infos: list[ReplicaInfo] = ray.get([r.actor.info.remote() for r in self.replicas],
@@ -197,6 +202,7 @@ class ReplicaPool(EngineClient):
         for replica, info in zip(self.replicas, infos):
             replica.boot_id = info.boot_id
         self.streams: dict[str, PoolStream] = {}
+        self.kv_listener: Callable[[int, KVSnapshot], None] | None = None
         self.health_task: asyncio.Task | None = None
         logger.info("%d replicas of %s up (%d threads each, routing %s)", n, self.model_name, threads,
                     pool_config.routing)
@@ -241,6 +247,11 @@ class ReplicaPool(EngineClient):
         """Requests in flight beyond those the replicas said they were running at the last health check."""
         return sum(max(0, len(r.requests) - (r.status.num_running if r.status else 0)) for r in self.replicas)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences of the requests in flight with no output yet (one moved off a failed replica waits again)."""
+        return sum(s.params.n for s in self.streams.values() if not s.delivered)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> PoolStream:
         """Route the request and send it to its replica; outputs (or the error) arrive on the returned stream."""
         if request_id in self.streams:
@@ -274,6 +285,11 @@ class ReplicaPool(EngineClient):
                  "in_flight": len(r.requests), "routed": self.router.replicas[r.index].routed}
                 for r in self.replicas]
 
+    def watch_kv(self, listener: Callable[[int, KVSnapshot], None]) -> None:
+        """`listener(replica, snapshot)` on the event loop for every KV snapshot a replica takes (PoolConfig's
+        kv_snapshot_rate); per replica, in order: a full one first (also after a restart), then diffs."""
+        self.kv_listener = listener
+
     # ---- routing and outputs -------------------------------------------------------------------------------------
     def _dispatch(self, stream: PoolStream) -> None:
         try:
@@ -301,6 +317,13 @@ class ReplicaPool(EngineClient):
                 self._end(stream, item)
             else:
                 stream.put(item)
+
+    def _deliver_snapshot(self, replica: Replica, snap: KVSnapshot) -> None:
+        if self.kv_listener is not None:
+            try:
+                self.kv_listener(replica.index, snap)
+            except Exception:  # the dashboard must never take the outputs down
+                logger.exception("the KV snapshot listener failed")
 
     def _end(self, stream: PoolStream, last: RequestOutput | BaseException) -> None:
         """The request is over here: its last output or error goes to the stream, its load off the router."""
@@ -351,7 +374,10 @@ class ReplicaPool(EngineClient):
         try:
             async for ref in replica.actor.outputs.options(num_returns="streaming").remote():
                 for request_id, item in await ref:
-                    self._deliver(replica, request_id, item)
+                    if request_id == KV_SNAPSHOT:
+                        self._deliver_snapshot(replica, item)
+                    else:
+                        self._deliver(replica, request_id, item)
             raise EngineDeadError("the replica's output stream ended")
         except asyncio.CancelledError:
             raise

@@ -14,8 +14,9 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,11 @@ import llguidance as llg
 import torch
 
 from pagedllm.engine.grammar_limits import (
+    MASK_BUDGET_STEPS,
     MAX_CHOICES,
+    MAX_MASK_MS_PER_STEP,
     check_lark,
+    check_mask_cost,
     check_repeats,
     check_schema,
     check_size,
@@ -121,6 +125,7 @@ class CompiledGrammar:
     matcher: llg.LLMatcher
     compile_s: float
     bytes: int = 0  # what it holds (the worker's measure, plus its text): the cache's budget counts these
+    mask_s: float = 0.0  # CPU seconds of one mask row in the start state, once its lexer states are built
 
 
 class StructuredOutputManager:
@@ -143,6 +148,7 @@ class StructuredOutputManager:
         self._lltokenizer: llg.LLTokenizer | None = None
         self._use_worker = worker
         self._worker: GrammarWorker | None = None
+        self._filler: ThreadPoolExecutor | None = None  # the mask thread, started by the first fill
 
     @property
     def lltokenizer(self) -> llg.LLTokenizer:
@@ -197,7 +203,7 @@ class StructuredOutputManager:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {spec.kind} for structured outputs: {short_error(matcher.get_error())}")
         held = (trial.bytes if trial else 0) + len(grammar) + len(spec.key())  # the matcher, its text, its key
-        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held)
+        return CompiledGrammar(grammar, matcher, time.perf_counter() - start, held, mask_seconds(matcher))
 
     def _add_to_cache(self, key: str, compiled: CompiledGrammar) -> None:
         """Least recently used out until the cached grammars hold at most cache_bytes (the newest always stays)."""
@@ -216,19 +222,45 @@ class StructuredOutputManager:
                 self._refused.popitem(last=False)
 
     def new_matchers(self, spec: StructuredOutputsParams, n: int) -> list[llg.LLMatcher]:
-        """One matcher per sample, each in the grammar's start state (a copy costs ~2 us)."""
+        """One matcher per sample, each in the grammar's start state (a copy costs ~2 us); n samples whose masks
+        would cost more than the mask budget from the start are refused now, not after a few steps."""
         compiled = self.compile(spec)
+        check_mask_cost(compiled.mask_s, n)
         return [compiled.matcher.deep_copy() for _ in range(n)]
 
-    def fill_bitmask(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
+    def fill_bitmask(self, matchers: list[llg.LLMatcher], costs: list[float] | None = None) -> torch.Tensor:
         """int32 [len(matchers), ceil(V / 32)]: bit t % 32 of word t // 32 of row i is set when matcher i allows
-        token t next. Row by row in the calling thread, without the GIL: llguidance's parallel executor took time
-        from the model's threads after each fill (14x the involuntary context switches; docs/scripts/mask_costs.py)."""
+        token t next. Row by row, without the GIL: llguidance's parallel executor took time from the model's threads
+        after each fill (14x the involuntary context switches; docs/scripts/mask_costs.py). `costs` gets each row's
+        CPU seconds (this thread's, so a loaded machine does not inflate them)."""
         bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
         row_bytes, ptr = self.bitmask_words * 4, bitmask.data_ptr()
         for i, matcher in enumerate(matchers):
+            start = time.thread_time()
             matcher.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
+            if costs is not None:
+                costs.append(time.thread_time() - start)
         return bitmask
+
+    def start_fill(self, matchers: list[llg.LLMatcher], costs: list[float]) -> Future[torch.Tensor]:
+        """fill_bitmask on the mask thread, so that the model's forward runs meanwhile; the matchers must not move
+        (consume a token) until the future is done."""
+        with self._lock:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+                weakref.finalize(self, self._filler.shutdown, wait=False)
+            filler = self._filler
+        return filler.submit(self.fill_bitmask, matchers, costs)
+
+
+def mask_seconds(matcher: llg.LLMatcher) -> float:
+    """CPU seconds of one mask in the matcher's state (its lexer states built): the least of two, in this thread."""
+    costs = []
+    for _ in range(2):
+        start = time.thread_time()
+        matcher.compute_bitmask()
+        costs.append(time.thread_time() - start)
+    return min(costs)
 
 
 def advance_grammar(matcher: llg.LLMatcher, token: int) -> bool:
@@ -242,6 +274,38 @@ def advance_grammar(matcher: llg.LLMatcher, token: int) -> bool:
 
 class GrammarBrokenError(RuntimeError):
     """A grammar that compiled could not be followed while generating."""
+
+
+class MaskBudget:
+    """What each request's grammar masks cost the steps, in CPU time (all its samples' rows), over its last `steps`
+    steps: a request whose average is over the limit fails, so that one request's grammar cannot slow every step
+    (the mask thread takes a core the model's threads would use)."""
+
+    def __init__(self, limit_ms: float = MAX_MASK_MS_PER_STEP, steps: int = MASK_BUDGET_STEPS) -> None:
+        self.limit_s = limit_ms / 1e3
+        self.steps = steps
+        self._recent: dict[str, deque[float]] = {}  # request id -> its last steps' mask seconds
+
+    def charge(self, costs: dict[str, float]) -> dict[str, GrammarBrokenError]:
+        """Add one step's mask seconds per request; the requests now over the limit, with why."""
+        over = {}
+        for request_id, seconds in costs.items():
+            recent = self._recent.setdefault(request_id, deque(maxlen=self.steps))
+            recent.append(seconds)
+            average = sum(recent) / len(recent)
+            if len(recent) == self.steps and average > self.limit_s:
+                over[request_id] = GrammarBrokenError(
+                    f"the grammar's token mask cost {average * 1e3:.1f} ms of CPU per step (all samples, average "
+                    f"of {self.steps} steps), over the limit of {self.limit_s * 1e3:g} ms: a simpler grammar or "
+                    "fewer samples (n) fit")
+        return over
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def keep_only(self, request_ids: Collection[str]) -> None:
+        """Forget the requests that have finished."""
+        self._recent = {r: recent for r, recent in self._recent.items() if r in request_ids}
 
 
 def short_error(message: str, limit: int = 300) -> str:

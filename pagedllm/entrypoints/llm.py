@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,9 @@ class LLM:
     """Batch generation over the engine: every prompt is queued at once and continuous batching runs them."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        with seconds_counter(f"Loading {model or 'the default model'}"):
+            self.engine = LLMEngine(config)
         self._counter = 0
 
     def get_tokenizer(self) -> Tokenizer:
@@ -30,14 +35,18 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}.
+        `priority`, one per prompt (lower first), counts under scheduling_policy="priority", as vLLM's."""
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [None] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self._add(prompt, p))
+            for prompt, p, rank in zip(prompts, params, priorities):
+                ids.append(self._add(prompt, p, rank))
             finished = self._run(len(ids), use_tqdm)
         except BaseException:  # a bad prompt or an interrupt: nothing stays queued, no block stays taken
             for request_id in ids:
@@ -54,17 +63,20 @@ class LLM:
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search: every step, each live beam is a one-token request asking for its top 2 * width
         logprobs; the prefix cache shares the beams' common blocks (ref counts), so a beam that forks costs only
-        its last partial block, and a beam that dies just lets its blocks go."""
+        its last partial block, and a beam that dies just lets its blocks go. `use_tqdm`: a bar over the steps (off
+        by default, as vLLM's)."""
         eos = self.get_tokenizer().eos_token_id
         step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width,
                                      ignore_eos=True)
         beams = [[BeamSearchSequence(self._prompt_ids(p))] for p in self._as_prompt_list(prompts)]
         done: list[list[BeamSearchSequence]] = [[] for _ in beams]
         starts = [len(b[0].tokens) for b in beams]
-        for _ in range(params.max_tokens):
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm,
+                      dynamic_ncols=True):
             live = [beam for group in beams for beam in group]
             if not live:
                 break
@@ -100,14 +112,14 @@ class LLM:
             return list(prompt["prompt_token_ids"])
         return self.engine.tokenize_prompt(prompt)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int | None = None) -> str:
         request_id = str(self._counter)
         self._counter += 1
         if isinstance(prompt, dict):
-            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params)
+            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params, priority=priority)
             seq.prompt = prompt.get("prompt")
         else:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, priority=priority)
         return request_id
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -139,3 +151,27 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
+
+
+@contextlib.contextmanager
+def seconds_counter(what: str, interval: float = 0.5) -> Iterator[None]:
+    """`what: 3.5s` on stderr, counting while the block runs (loading a model takes seconds with no other sign of
+    life); a terminal only, as tqdm decides."""
+    bar = tqdm(total=None, desc=what, bar_format="{desc}: {elapsed}", disable=None, leave=False)
+    if bar.disable:
+        yield
+        return
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(interval):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="pagedllm-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()

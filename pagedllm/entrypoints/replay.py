@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import argparse
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING
 
 from pagedllm.config import ServerConfig
-from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
-from pagedllm.entrypoints.openai.dashboard import Replay, mount
-from pagedllm.entrypoints.serve import uvicorn_server
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def build_replay_app(path: str) -> FastAPI:
+    from fastapi import FastAPI
+
+    from pagedllm.entrypoints.openai.dashboard import Replay, mount
+
     app = FastAPI(title="pagedllm replay")
     mount(app, Replay(path))
     return app
 
 
-def add_replay_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help="serve the KV cache dashboard over a trace of `bench throughput --trace`")
+def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a JSONL trace written by `pagedllm bench throughput --trace PATH`")
     p.add_argument("--host", default=ServerConfig.host)
     p.add_argument("--port", type=int, default=ServerConfig.port)
@@ -27,6 +29,9 @@ def add_replay_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
+    from pagedllm.entrypoints.serve import uvicorn_server
+
     app = build_replay_app(args.trace)
     print(f"Replaying {args.trace} ({app.state.dashboard.info()['frames']} frames): "
           f"open http://{args.host}:{args.port}/dashboard")

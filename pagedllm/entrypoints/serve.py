@@ -9,19 +9,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-
 from pagedllm.config import EngineConfig, ServerConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
-from pagedllm.engine.protocol import ServingObserver, SteppedEngine
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
 from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
-from pagedllm.entrypoints.openai import dashboard
-from pagedllm.entrypoints.openai.app import build_client_app
-from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # fastapi, uvicorn and the engine are imported where used: `serve --help` needs none of them
     import uvicorn
+    from fastapi import FastAPI
+
+    from pagedllm.engine.protocol import SteppedEngine
 
 
 def build_app(engine: SteppedEngine, model_names: list[str], server: ServerConfig | None = None,
@@ -29,10 +25,18 @@ def build_app(engine: SteppedEngine, model_names: list[str], server: ServerConfi
               log_interval: float = 5.0) -> FastAPI:
     """The app over an already loaded LLMEngine; the engine thread lives as long as the app. With an
     `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down)."""
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.protocol import ServingObserver
+    from pagedllm.entrypoints.openai import dashboard
+    from pagedllm.entrypoints.openai.app import build_client_app
+    from pagedllm.entrypoints.openai.metrics import EngineStats
+
     server = server or ServerConfig()
     stats = EngineStats(model_names[0], log_interval=log_interval)
     rate = server.dashboard
-    hub = dashboard.DashboardHub(model_names[0], rate, hide_prompts=bool(server.api_key)) if rate else None
+    hub = dashboard.DashboardHub(model_names[0], rate, hide_prompts=bool(server.api_key),
+                                 max_streams=server.max_dashboard_streams,
+                                 send_timeout=server.stream_send_timeout) if rate else None
     observer: ServingObserver = stats if hub is None else dashboard.Observers(stats, hub)
     client = AsyncLLMEngine(engine, server.max_waiting_requests, observer=observer, engine_factory=engine_factory)
     app = build_client_app(client, stats, model_names, server, model_path,
@@ -47,11 +51,11 @@ def uvicorn_server(app: FastAPI, **config: Any) -> uvicorn.Server:
     otherwise keep it waiting for their connections to close (as long as a page stays open)."""
     import uvicorn
 
+    from pagedllm.entrypoints.openai import dashboard
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            source = getattr(app.state, "dashboard", None)
-            if isinstance(source, dashboard.DashboardHub):
-                source.close()
+            dashboard.close(app)
             super().handle_exit(sig, frame)
 
     return Server(uvicorn.Config(app, **config))
@@ -59,7 +63,10 @@ def uvicorn_server(app: FastAPI, **config: Any) -> uvicorn.Server:
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
     """`pagedllm serve`: the OpenAI-compatible server, with every engine flag."""
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
     ServerConfig.add_cli_args(p)
     ConnectionLimits.add_cli_args(p)
     add_data_parallel_args(p)
@@ -68,6 +75,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.engine.async_engine import build_serving_engine
     from pagedllm.engine.llm_engine import LLMEngine
 
     server = ServerConfig.from_cli_args(args)
@@ -114,13 +122,26 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> FastAPI:
-    """N replicas behind one endpoint; ray is imported only here."""
+    """N replicas behind one endpoint, with a dashboard that shows one replica's KV cache at a time; ray is imported
+    only here."""
     from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
+    from pagedllm.entrypoints.openai import dashboard
+    from pagedllm.entrypoints.openai.app import build_client_app
+    from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 
     pool_config = PoolConfig(args.data_parallel_size, args.routing, args.routing_margin,
-                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests)
+                             ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests,
+                             kv_snapshot_rate=server.dashboard)
     name = (server.served_model_name or [None])[0]
     observer = functools.partial(EngineStats, name or args.model or "default")
     pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
     names = server.served_model_name or [args.model or pool.model_name]
-    return build_client_app(pool, ReplicaSetStats(pool, names[0]), names, server, args.model or pool.model_name)
+    rate = server.dashboard
+    hub = dashboard.ReplicaDashboard(pool, names[0], rate, hide_prompts=bool(server.api_key),
+                                     max_streams=server.max_dashboard_streams,
+                                     send_timeout=server.stream_send_timeout) if rate else None
+    app = build_client_app(pool, ReplicaSetStats(pool, names[0]), names, server, args.model or pool.model_name,
+                           on_start=None if hub is None else hub.start)
+    if hub is not None:
+        dashboard.mount(app, hub)
+    return app

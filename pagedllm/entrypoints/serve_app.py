@@ -200,7 +200,11 @@ class ServeEngineClient(EngineClient):
     def shutdown(self) -> None:
         """Serve starts and stops the replicas."""
 
-    def check_admission(self) -> None:
+    @property
+    def num_waiting_seqs(self) -> int:
+        return 0
+
+    def check_admission(self, num_seqs: int = 1) -> None:
         """Serve queues (max_ongoing_requests per replica) and applies back-pressure itself."""
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

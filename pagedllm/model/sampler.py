@@ -7,6 +7,7 @@ rows is the draw of per-request seeded generators, so a seeded request's tokens 
 from __future__ import annotations
 
 from collections.abc import Collection
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
 
@@ -21,13 +22,21 @@ _NEG_INF = float("-inf")
 FAST_GREEDY_MAX_BANNED = 8
 
 
-@dataclass
 class GrammarMask:
     """The tokens a grammar allows next, for the constrained sampling rows of a step (the engine's matchers fill it;
-    unconstrained rows are not in it)."""
+    unconstrained rows are not in it). The bitmask may still be filling on another thread while the model runs (it
+    depends only on tokens already accepted): reading `bitmask` waits for it, so the forward does not."""
 
-    rows: torch.Tensor  # int64 [R]: the sampling rows the grammar constrains
-    bitmask: torch.Tensor  # int32 [R, ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed (llguidance's)
+    def __init__(self, rows: torch.Tensor, bitmask: torch.Tensor | Future[torch.Tensor]) -> None:
+        self.rows = rows  # int64 [R]: the sampling rows the grammar constrains
+        self._bitmask = bitmask
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """int32 [R, ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed (llguidance's layout)."""
+        if isinstance(self._bitmask, Future):
+            self._bitmask = self._bitmask.result()
+        return self._bitmask
 
 
 @dataclass

@@ -168,8 +168,10 @@ def test_sweep_command_launches_a_server_per_policy(tiny_model_dir: str, tmp_pat
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # this tree's pagedllm in the launched server too
     out, png = tmp_path / "sweep.json", tmp_path / "fig12.png"
     engine = ["--model", tiny_model_dir, *TINY_SERVER_ARGS[:-1]]
+    port = free_port()
     assert main(["bench", "sweep", "--request-rates", "4,inf", "--kv-policies", "paged", "--dataset", "random",
-                 "--num-prompts", "3", "--input-len", "12", "--output-len", "4", "--metrics-interval", "0.2",
+                 "--port", str(port), "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
+                 "--metrics-interval", "0.2",
                  "--server-log-dir", str(tmp_path), "--output-json", str(out), "--plot", str(png), *engine]) == 0
     result = json.loads(out.read_text())
     assert result["policies"] == ["paged"] and result["request_rates"] == [4.0, "inf"]
@@ -183,6 +185,7 @@ def test_sweep_command_launches_a_server_per_policy(tiny_model_dir: str, tmp_pat
     assert result["latency_threshold_s_per_token"] == pytest.approx(5 * lowest)
     assert result["max_sustainable_rate"]["paged"] in (4.0, "inf")
     assert (tmp_path / "server-paged.log").exists()
+    assert result["server_port"] == port and ServerProcess([], "", port=port).url == f"http://127.0.0.1:{port}"
     assert png.read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "fig12-timeline.png").read_bytes().startswith(b"\x89PNG")
 

@@ -13,6 +13,7 @@ from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy,
 from pagedllm import LLM, LLMEngine, SamplingParams
 from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
 from pagedllm.core.baselines import reservation_tokens
+from pagedllm.errors import InvalidRequestError
 
 COMBOS = list(itertools.product(KV_POLICIES, BATCHING_MODES))
 COMBO_IDS = [f"{p}-{b}" for p, b in COMBOS]
@@ -221,3 +222,45 @@ def test_bad_values_raise_and_the_cli_takes_the_flags():
     assert (config.kv_policy, config.batching, config.enable_prefix_caching) == ("paged", "continuous", True)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-policy", "contiguous"])
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_model_dir, reference, policy):
+    """Who waits changes the order, not the tokens: a pool too small for everything at once (so groups are preempted
+    and, under priority, displaced), priorities and clients mixed, n = 2 samples; every sample equals transformers."""
+    prompts, refs = reference
+    llm = LLM(tiny_model_dir, dtype="float32", threads=1, num_blocks=24, block_size=8, max_model_len=128,
+              max_num_batched_tokens=40, scheduling_policy=policy)
+    params = [SamplingParams(n=1 + i % 2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, client=f"c{i % 3}")
+              for i in range(len(prompts))]
+    priorities = [(3 * i) % 4 for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=priorities)
+    for out, (ref, logits) in zip(outs, refs):
+        for sample in out.outputs:
+            assert_matches_reference(sample.token_ids, ref, logits)
+    assert llm.engine.block_manager.num_free_blocks == 24 and llm.engine.stats().preemptions > 0
+
+
+def test_scheduling_policy_flags_and_values(tmp_path):
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lottery")
+    with pytest.raises(ValueError, match="scheduling_policy priority needs"):
+        EngineConfig(scheduling_policy="priority", batching="static")
+    with pytest.raises(ValueError, match="client_weights"):
+        EngineConfig(scheduling_policy="fair", client_weights={"a": 0})
+    weights = tmp_path / "weights.json"
+    weights.write_text('{"batch": 0.5, "alice": 2}')
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(["--scheduling-policy", "fair", "--client-weights",
+                                                           str(weights)]))
+    assert config.scheduler_config.scheduling_policy == "fair"
+    assert config.scheduler_config.client_weights == {"batch": 0.5, "alice": 2.0}
+    assert EngineConfig.from_cli_args(parser.parse_args([])).scheduling_policy == "fcfs"
+    weights.write_text('{"batch": -1}')
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--client-weights", str(weights)])
+    with pytest.raises(InvalidRequestError, match="priority"):
+        SamplingParams(priority=1.5)
+    with pytest.raises(InvalidRequestError, match="client"):
+        SamplingParams(client="x" * 300)

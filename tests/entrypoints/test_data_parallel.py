@@ -1,12 +1,14 @@
 """`pagedllm serve --data-parallel-size 2` on a local Ray (2 CPUs, the tiny model, 1 thread per replica): greedy
-outputs equal one engine's, a shared prefix stays on one replica, /metrics and /health show both replicas, and a
-replica killed mid-run loses no request that had not started streaming.
+outputs equal one engine's, a shared prefix stays on one replica, /metrics and /health show both replicas, the
+dashboard shows each replica's own KV pool (`?replica=i`, its data endpoints and the page in headless Chromium),
+and a replica killed mid-run loses no request that had not started streaming.
 
 One Ray instance and one server for the module: Ray's start-up is most of the time these tests take."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from test_dashboard import browser, open_page  # noqa: F401 (browser is a fixture)
 
 ray = pytest.importorskip("ray")
 
@@ -136,6 +139,79 @@ def test_metrics_show_both_replicas(dp_server: ServerProcess) -> None:
     assert s[("pagedllm:replica_healthy", "0")] == s[("pagedllm:replica_healthy", "1")] == 1
 
 
+def frame(server: ServerProcess, replica: int) -> dict:
+    response = httpx.get(f"{server.url}/dashboard/snapshot", params={"replica": replica}, timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def replica_metric(server: ServerProcess, name: str, replica: int) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and s.labels.get("replica") == str(replica))
+
+
+def pool_agrees_with_counters(f: dict) -> bool:
+    """The hub's copy of the replica's pool (rebuilt from the replica's diffs) holds as many used and cached blocks
+    as the replica's own counters say."""
+    states = f["blocks"][1::3]
+    in_use = sum(1 for s in states if s in (1, 2, 4))
+    return in_use == f["counters"]["blocks_in_use"] and states.count(3) == f["counters"]["blocks_cached_free"]
+
+
+def settled(server: ServerProcess, replica: int) -> bool:
+    """Idle, and the replica's snapshot agrees with the replica's /metrics series (its last health check)."""
+    f = frame(server, replica)
+    c = f["counters"]
+    return (c["num_running"] == c["num_waiting"] == 0 and pool_agrees_with_counters(f)
+            and c["generated_tokens"] == replica_metric(server, "pagedllm:generation_tokens_total", replica))
+
+
+def test_the_dashboard_shows_each_replicas_own_pool(dp_server: ServerProcess, client: openai.OpenAI) -> None:
+    info = httpx.get(f"{dp_server.url}/dashboard/info", params={"replica": 1}, timeout=10).json()
+    assert info["mode"] == "live" and info["replica"] == 1
+    assert [r["replica"] for r in info["replicas"]] == [0, 1] and all(r["healthy"] for r in info["replicas"])
+    assert httpx.get(f"{dp_server.url}/dashboard/info", params={"replica": 2}, timeout=10).status_code == 404
+    for replica in (0, 1):  # both served the tests above; once idle, each frame is that replica's own
+        wait_until(lambda r=replica: settled(dp_server, r))
+        f = frame(dp_server, replica)
+        assert f["full"] and f["num_blocks"] == ENGINE_ARGS["num_blocks"] and f["counters"]["generated_tokens"] > 0
+        assert f["counters"]["prefix_cache_queries"] == replica_metric(
+            dp_server, "pagedllm:prefix_cache_queries_total", replica)
+    # a long request shows in its replica's frames only, holding blocks there
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(complete, client, "Once upon a time, in a land far away,", 900)
+        wait_until(lambda: any(r["in_flight"] for r in health(dp_server)["replicas"]))
+        busy = next(r["replica"] for r in health(dp_server)["replicas"] if r["in_flight"])
+        wait_until(lambda: frame(dp_server, busy)["requests"])
+        (request,) = frame(dp_server, busy)["requests"]
+        assert request["status"] == "running" and request["samples"][0]["block_table"]
+        assert frame(dp_server, 1 - busy)["requests"] == []
+        with httpx.stream("GET", f"{dp_server.url}/dashboard/events", params={"replica": busy}, timeout=60) as r:
+            first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+        assert first["full"] and [q["request_id"] for q in first["requests"]] == [request["request_id"]]
+        job.result(timeout=300)
+    wait_until(lambda: settled(dp_server, busy))  # the final state after the burst: its blocks let go
+
+
+def test_the_dashboard_page_selects_a_replica(dp_server: ServerProcess, browser) -> None:  # noqa: F811
+    page = open_page(browser, f"{dp_server.url}/dashboard?replica=1")
+    shown = page.evaluate("() => ({replica: window.dashboardState.replica, "
+                          "replicas: window.dashboardState.replicas.length, counters: window.dashboardState.counters})")
+    assert shown["replica"] == 1 and shown["replicas"] == 2
+    assert shown["counters"]["generated_tokens"] == frame(dp_server, 1)["counters"]["generated_tokens"]
+    assert page.locator("#replicas a.replica").count() == 2
+    assert "replica 1 of 2" in page.locator("#meta").text_content()
+    with page.expect_navigation():
+        page.locator('#replicas a[data-replica="0"]').click()
+    page.wait_for_function("window.dashboardState.replica === 0 && window.dashboardState.framesReceived > 0")
+    counters = page.evaluate("() => window.dashboardState.counters")
+    assert counters["generated_tokens"] == frame(dp_server, 0)["counters"]["generated_tokens"]
+    assert page.errors == []
+
+
 def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
         dp_server: ServerProcess, client: openai.OpenAI, reference) -> None:
     """Ten long requests, streamed and not, two running per replica and the rest queued; replica 0's actor is
@@ -179,3 +255,4 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
     text = httpx.get(f"{dp_server.url}/metrics", timeout=10).text
     reroutes = [line for line in text.splitlines() if line.startswith("pagedllm:router_reroutes_total{")]
     assert float(reroutes[0].split()[-1]) >= 1  # replica 0's queued requests went to replica 1
+    wait_until(lambda: settled(dp_server, 0))  # the dashboard follows the new incarnation's pool

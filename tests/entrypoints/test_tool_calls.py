@@ -135,9 +135,13 @@ def test_tool_choice_to_grammar():
     assert structured_outputs_of(request(tools=TOOLS, tool_choice="none")) is None
     required = structured_outputs_of(request(tools=TOOLS, tool_choice="required"))
     assert "get_weather" in required.grammar and "add" in required.grammar
-    named = structured_outputs_of(request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
-                                          parallel_tool_calls=False))
-    assert "get_weather" not in named.grammar and "tool_call{1,1}" in named.grammar
+    assert 'tool_call){0,3}' in required.grammar  # 1..4 calls
+    one = structured_outputs_of(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    assert "tool_call){" not in one.grammar
+    for parallel in (True, False):  # a named function is exactly one call, whatever parallel_tool_calls says
+        named = structured_outputs_of(request(tools=TOOLS, parallel_tool_calls=parallel,
+                                              tool_choice={"type": "function", "function": {"name": "add"}}))
+        assert "get_weather" not in named.grammar and "tool_call){" not in named.grammar
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -203,3 +207,34 @@ def test_forced_calls_always_validate(tokenizer, one_thread):
             MODELS[call.name].model_validate_json(call.arguments)
             seen.add(call.name)
     assert seen == set(MODELS)
+
+
+def walk(manager: StructuredOutputManager, spec: StructuredOutputsParams, tokenizer: Tokenizer, text: str):
+    """A matcher moved past `text`'s tokens (each must be allowed)."""
+    matcher = manager.new_matchers(spec, 1)[0]
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        assert matcher.consume_token(token), (text, matcher.get_error())
+    return matcher
+
+
+def allowed(manager: StructuredOutputManager, matcher) -> set[int]:
+    mask = manager.fill_bitmask([matcher])[0]
+    return {t for t in range(manager.vocab_size) if (int(mask[t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("max_calls", [1, 4])
+def test_forced_calls_end_when_the_model_ends(tokenizer, max_calls):
+    """After one call the model may end (EOS) and no further call is forced; a blank line also ends the calls
+    (the grammar is then complete), where the old grammar allowed only EOS or another call after "\n" and a small
+    model that wanted to go on in prose wrote a second, junk call instead."""
+    manager = StructuredOutputManager(tokenizer, tokenizer.vocab_size, tokenizer.end_of_generation_ids())
+    spec = StructuredOutputsParams(grammar=tool_call_grammar(TOOLS, max_calls))
+    eos = set(manager.eos_token_ids)
+    after_call = walk(manager, spec, tokenizer, CALL)
+    assert eos <= allowed(manager, after_call) and not after_call.is_stopped()
+    assert walk(manager, spec, tokenizer, CALL + "\n\n").is_stopped()
+    second = walk(manager, spec, tokenizer, CALL + "\n")
+    opens_call = tokenizer.encode("<", add_special_tokens=False)[0]
+    assert (opens_call in allowed(manager, second)) == (max_calls > 1)
+    if max_calls == 1:
+        assert walk(manager, spec, tokenizer, CALL + "\n").is_accepting()

@@ -3,7 +3,8 @@ stored responses), Anthropic's /v1/messages, /v1/models and vLLM's /health, /met
 /version. Each endpoint module brings its own router; an endpoint is one more module in `ROUTERS`.
 
 Every bad request is a 4xx with an OpenAI-style body, never a 500 (errors.py); a client that goes away aborts its
-requests; past --max-waiting-requests new requests get 503 + Retry-After.
+requests; a request whose sequences (prompts x n) would take the waiting ones past --max-waiting-requests gets 503 +
+Retry-After (400 if it alone asks for more).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pagedllm import __version__
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai import routes, serving_chat, serving_completion, serving_messages, serving_responses
-from pagedllm.entrypoints.openai.errors import ApiKeyMiddleware, install_error_handlers
-from pagedllm.entrypoints.openai.limits import RequestLimitMiddleware, WorkerPool
+from pagedllm.entrypoints.openai.errors import UTILITY_ROUTES, ApiKeyMiddleware, install_error_handlers
+from pagedllm.entrypoints.openai.limits import RequestLimitMiddleware, WorkerPool, utility_pool
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving import ServerContext
@@ -36,6 +37,7 @@ def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats,
     stored responses."""
     server = server or ServerConfig()
     workers = WorkerPool()
+    utility_workers = utility_pool()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -47,13 +49,16 @@ def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats,
         finally:
             engine.shutdown()
             workers.shutdown()
+            utility_workers.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
-    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, server.stream_send_timeout)
+    app.state.server = ServerContext(engine, stats, model_names, model_path, workers, utility_workers,
+                                     server.stream_send_timeout, server.default_max_tokens)
     app.state.responses = ResponseStore(server.responses_store_size, server.responses_store_ttl)
     install_error_handlers(app)
     if server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=server.api_key,
+                           also=UTILITY_ROUTES if server.api_key_utility_routes else ())
     app.add_middleware(RequestLimitMiddleware, max_bytes=server.max_request_bytes, timeout=server.body_timeout)
     for router in ROUTERS:
         app.include_router(router)

@@ -51,7 +51,7 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: 
     """Render, tokenize, check and submit one choice of `req`, exactly as /v1/chat/completions does."""
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, None)
+    params = sampling_params(req, ctx.max_tokens(max_tokens), None)
     tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, True, tool_dicts), "messages")

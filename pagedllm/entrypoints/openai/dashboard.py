@@ -6,6 +6,15 @@ second while the engine works, and once more when it goes idle, so nothing asks 
 Each is a diff; the hub applies it to its copy of the pool on the event loop and fans it out to the page's event
 streams, so a new page gets the whole picture at once without asking the engine. The page is static HTML + JS
 (package data, no build step, no CDN). It is open like /metrics; with --api-key it does not show prompts' words.
+
+Under --data-parallel-size each replica has its own pool, so the page shows one replica at a time
+(`/dashboard?replica=i`) beside every replica's headline numbers: `ReplicaDashboard` keeps one hub per replica, fed
+with the snapshots each replica takes on its own engine thread by the same rule and sends on its output stream
+(the engine client's `watch_kv`).
+
+Its event streams are bounded like the completions' streams: at most --max-dashboard-streams at once (503 past
+them), each dropped once its client has read nothing for --stream-send-timeout; the full frame a new or lagging page
+gets is built once per snapshot, however many pages ask for it.
 """
 
 from __future__ import annotations
@@ -18,11 +27,14 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from pagedllm.engine.protocol import ServingObserver, SteppedEngine
+from pagedllm.config import ServerConfig
+from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
 from pagedllm.entrypoints.kv_trace import frame_of, history_point, read_trace, to_json
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import DeadlineStreamingResponse
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.dashboard")
@@ -37,10 +49,14 @@ CLOSE = "close"  # ends a page's stream (frames are JSON objects, never these wo
 class DashboardHub:
     """KV snapshots from the engine thread to every open page; keeps the pool's latest state for new pages."""
 
-    def __init__(self, model: str, rate: float = 4.0, hide_prompts: bool = False) -> None:
+    def __init__(self, model: str, rate: float = 4.0, hide_prompts: bool = False,
+                 max_streams: int = ServerConfig.max_dashboard_streams,
+                 send_timeout: float = ServerConfig.stream_send_timeout) -> None:
         if rate <= 0:
             raise ValueError(f"--dashboard-rate must be positive, got {rate}")
         self.model, self.period, self.hide_prompts = model, 1.0 / rate, hide_prompts
+        self.max_streams, self.send_timeout = max_streams, send_timeout
+        self.full_cache: tuple[int, str] | None = None  # (num_snapshots, the full frame built then)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.version: int | None = None  # engine thread: the last snapshot taken
         self.last_taken = 0.0
@@ -77,7 +93,10 @@ class DashboardHub:
         """Nothing to count: the next snapshot comes from the fresh engine."""
 
     def take(self, engine: SteppedEngine) -> Any:
-        snap = engine.kv_snapshot(self.version)
+        return self.accept(engine.kv_snapshot(self.version))
+
+    def accept(self, snap: Any) -> Any:
+        """Note the snapshot's version (the next is asked as a diff since it); blank the prompts if hidden."""
         self.version = snap.version
         if self.hide_prompts:
             for request in snap.requests:
@@ -124,7 +143,12 @@ class DashboardHub:
 
     def full_frame(self) -> str:
         """The whole picture as one full frame: every block not free, the latest requests and counters, the recent
-        events and the time series so far."""
+        events and the time series so far; built once per snapshot (pages that connect or lag together share it)."""
+        if self.full_cache is None or self.full_cache[0] != self.num_snapshots:
+            self.full_cache = (self.num_snapshots, self.build_full_frame())
+        return self.full_cache[1]
+
+    def build_full_frame(self) -> str:
         snap = self.latest
         if snap is None:
             return to_json({"full": True, "mode": "live", "model": self.model, "error": "no snapshot yet"})
@@ -136,6 +160,11 @@ class DashboardHub:
                                 history=list(self.history), mode="live", model=self.model))
 
     def subscribe(self) -> asyncio.Queue[str]:
+        """A new page's queue, or a 503 past `max_streams` pages (each costs the event loop a send per frame)."""
+        if len(self.subscribers) >= self.max_streams:
+            raise APIError(503, f"{len(self.subscribers)} dashboard streams are open, the most allowed "
+                           "(--max-dashboard-streams); close one or retry later", "server_error",
+                           code="too_many_streams", headers={"Retry-After": "5"})
         queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
         self.subscribers.add(queue)
         return queue
@@ -145,6 +174,72 @@ class DashboardHub:
 
     def info(self) -> dict[str, Any]:
         return {"mode": "live", "model": self.model, "rate": 1.0 / self.period, "hide_prompts": self.hide_prompts}
+
+    def headline(self) -> dict[str, Any]:
+        """The latest snapshot's figures for a replica selector: KV use, queues, tokens/s, prefix hit rate."""
+        snap = self.latest
+        if snap is None:
+            return {"snapshots": 0}
+        c = snap.counters
+        return {"snapshots": self.num_snapshots, "time": snap.time, "num_blocks": c.num_blocks,
+                "blocks_in_use": c.blocks_in_use, "blocks_cached_free": c.blocks_cached_free,
+                "num_running": c.num_running, "num_waiting": c.num_waiting, "preemptions": c.preemptions,
+                "generated_tokens": c.generated_tokens, "tokens_per_s": self.token_rate() if c.num_running else 0.0,
+                "prefix_cache_hit_rate": c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries
+                else None}
+
+    def token_rate(self, window: float = 5.0) -> float:
+        """Generated tokens a second over the last `window` seconds of the time series."""
+        if len(self.history) < 2:
+            return 0.0
+        last = self.history[-1]
+        first = next((p for p in reversed(self.history) if p[0] <= last[0] - window), self.history[0])
+        return (last[5] - first[5]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+
+
+class ReplicaDashboard:
+    """Under --data-parallel-size: one hub per replica, fed with the snapshots the replica takes on its engine
+    thread (at most `rate` a second while it works, once when it goes idle) and sends on its output stream (the
+    client's `watch_kv`). A replica that fails keeps its last picture until it is back (then a full snapshot)."""
+
+    def __init__(self, client: ReplicaSetClient, model: str, rate: float = 4.0, hide_prompts: bool = False,
+                 max_streams: int = ServerConfig.max_dashboard_streams,
+                 send_timeout: float = ServerConfig.stream_send_timeout) -> None:
+        self.client = client
+        self.hubs = [DashboardHub(model, rate, hide_prompts, max_streams, send_timeout)
+                     for _ in client.replica_health() or []]
+
+    def start(self) -> None:
+        """On the event loop, before the client starts."""
+        for hub in self.hubs:
+            hub.loop = asyncio.get_running_loop()
+        self.client.watch_kv(self.receive)
+
+    def receive(self, replica: int, snap: Any) -> None:
+        """On the event loop: a replica's snapshot to its hub (a diff before the hub has a full one is dropped)."""
+        hub = self.hubs[replica]
+        if snap.full or len(hub.states) == snap.num_blocks:
+            hub.publish(hub.accept(snap))
+
+    def hub(self, replica: str | None) -> DashboardHub:
+        """The hub of `?replica=` (replica 0 if not given)."""
+        index = 0 if not replica else int(replica) if replica.isdigit() else -1
+        if not 0 <= index < len(self.hubs):
+            raise HTTPException(404, f"no replica {replica!r}: there are {len(self.hubs)} (0-{len(self.hubs) - 1})")
+        return self.hubs[index]
+
+    def info(self, replica: str | None) -> dict[str, Any]:
+        """The selected replica's page info, with every replica's health and headline numbers."""
+        index = self.hubs.index(self.hub(replica))
+        health = self.client.replica_health() or []
+        replicas = [{"replica": i, **hub.headline(), **{k: h[k] for k in ("healthy", "restarts", "in_flight")}}
+                    for i, (hub, h) in enumerate(zip(self.hubs, health))]
+        return {**self.hubs[index].info(), "replica": index, "replicas": replicas}
+
+    def close(self) -> None:
+        """End every page's stream (thread-safe)."""
+        for hub in self.hubs:
+            hub.close()
 
 
 class Replay:
@@ -185,7 +280,11 @@ router = APIRouter()
 
 
 def source_of(request: Request) -> DashboardHub | Replay:
-    return request.app.state.dashboard
+    """The app's hub or replay; under --data-parallel-size the hub of the replica in `?replica=` (0 by default)."""
+    source = request.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return source.hub(request.query_params.get("replica"))
+    return source
 
 
 def static_text(name: str) -> str:
@@ -204,7 +303,10 @@ async def dashboard_script() -> Response:
 
 @router.get("/dashboard/info")
 async def dashboard_info(raw: Request) -> JSONResponse:
-    return JSONResponse(source_of(raw).info())
+    source = raw.app.state.dashboard
+    if isinstance(source, ReplicaDashboard):
+        return JSONResponse(source.info(raw.query_params.get("replica")))
+    return JSONResponse(source.info())
 
 
 @router.get("/dashboard/snapshot")
@@ -222,12 +324,27 @@ async def dashboard_events(raw: Request) -> Response:
     hub = source_of(raw)
     if not isinstance(hub, DashboardHub):
         return JSONResponse({"error": "a replay has no live events: see /dashboard/trace"}, 404)
-    return StreamingResponse(event_stream(hub), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        queue = hub.subscribe()  # here, not in the stream: a crowd arriving at once is counted as it comes
+    except APIError as e:
+        return e.response()
+    return EventStreamResponse(hub, queue)
 
 
-async def event_stream(hub: DashboardHub) -> AsyncIterator[str]:
-    queue = hub.subscribe()
+class EventStreamResponse(DeadlineStreamingResponse):
+    """A page's event stream: dropped when its client stops reading; its subscription ends with it, however it
+    ends (also if the stream never started)."""
+
+    def __init__(self, hub: DashboardHub, queue: asyncio.Queue[str]) -> None:
+        super().__init__(event_stream(hub, queue), hub.send_timeout, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.hub, self.queue = hub, queue
+
+    def closed(self) -> None:
+        self.hub.unsubscribe(self.queue)
+
+
+async def event_stream(hub: DashboardHub, queue: asyncio.Queue[str]) -> AsyncIterator[str]:
     try:
         yield f"data: {hub.full_frame()}\n\n"
         while not hub.closed:
@@ -252,6 +369,13 @@ async def dashboard_trace(raw: Request) -> Response:
     return Response("\n".join([to_json(replay.header), *replay.frames]) + "\n", media_type="application/x-ndjson")
 
 
-def mount(app: FastAPI, source: DashboardHub | Replay) -> None:
+def mount(app: FastAPI, source: DashboardHub | ReplicaDashboard | Replay) -> None:
     app.state.dashboard = source
     app.include_router(router)
+
+
+def close(app: FastAPI) -> None:
+    """End the live dashboard's event streams, if the app has one (thread-safe)."""
+    source = getattr(app.state, "dashboard", None)
+    if isinstance(source, (DashboardHub, ReplicaDashboard)):
+        source.close()

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.engine.protocol import EngineDeadError, EngineRestartingError, QueueFullError
+from pagedllm.engine.protocol import EngineDeadError, EngineRestartingError, QueueFullError, TooManySequencesError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagedllm.entrypoints.openai.protocol_messages import AnthropicErrorInfo, AnthropicErrorResponse
 from pagedllm.errors import InvalidRequestError
@@ -58,6 +58,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "server_error", code="engine_restarting", headers={"Retry-After": "5"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, TooManySequencesError):
+        return APIError(400, str(exc), param="n", code="too_many_sequences")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     logger.error("request failed", exc_info=exc)
@@ -126,16 +128,23 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`); /health, /metrics and
-    the rest stay open."""
+UTILITY_ROUTES = ("/tokenize", "/detokenize")  # vLLM's "utility endpoints": open unless --api-key-utility-routes
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (and the `also` paths);
+    /health, /metrics and the rest stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str, also: tuple[str, ...] = ()) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.also = frozenset(also)
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1") or path.rstrip("/") in self.also
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope):
             error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error.response(scope["path"])(scope, receive, send)

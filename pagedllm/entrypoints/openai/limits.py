@@ -1,6 +1,8 @@
 """Limits that keep one client from holding the server: the size of a request body and the time to receive it (an
-ASGI middleware, before FastAPI parses anything), the time a stream may wait for its client to read, and a small
-thread pool for the work that grows with a request (tokenizing and rendering long prompts), off the event loop.
+ASGI middleware, before FastAPI parses anything), the time a stream may wait for its client to read (every stream:
+completions, chats and the dashboard's), and small thread pools for the work that grows with a request (tokenizing
+and rendering long prompts) off the event loop: one for the generating routes, one with a bounded queue for the
+utility routes (/tokenize, /detokenize) that are open without --api-key, so a flood of those cannot delay the others.
 
 What a connection may hold before a request exists (its headers' size and time, the number of connections) is
 bounded below the app, in uvicorn's protocol (entrypoints/http_limits.py); idle keep-alive connections close after
@@ -11,20 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
+from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.config import ServerConfig
+from pagedllm.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.limits")
 T = TypeVar("T")
 
 OFF_LOOP_CHARS = 8192  # longer prompts are tokenized (and chats rendered) in the worker threads
 OFF_LOOP_TOKENS = 8192
+UTILITY_WORKERS = 1  # threads for the open utility routes' tokenizer work: at most one core's worth
+UTILITY_PENDING = 8  # their jobs running or queued at once; past this, 503 at once
 
 
 class BodyTooLarge(HTTPException):
@@ -119,15 +126,61 @@ class SendDeadline:
         self._timer.cancel()
 
 
+class DeadlineStreamingResponse(StreamingResponse):
+    """A stream dropped once its client stops reading: when one send has waited `send_timeout` seconds (the socket
+    full), the response's task is cancelled; `closed()` runs however the stream ended."""
+
+    def __init__(self, content: AsyncIterable[str], send_timeout: float = ServerConfig.stream_send_timeout,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = SendDeadline(send, self.send_timeout)
+        try:
+            await super().__call__(scope, receive, deadline.send)
+        except asyncio.CancelledError:
+            if not deadline.expired:
+                raise
+            asyncio.current_task().uncancel()  # our own timer's cancellation, handled here
+            logger.warning("dropping a stream of %s: the client read nothing for %g s", scope.get("path"),
+                           self.send_timeout)
+        finally:
+            deadline.close()
+            self.closed()
+
+    def closed(self) -> None:
+        """Release what the stream held (its requests, its subscription)."""
+
+
 class WorkerPool:
     """A few threads for request work that grows with the request (tokenizers release the GIL on long texts), so
-    the event loop keeps answering; bounded, so big requests queue instead of crowding the engine's cores."""
+    the event loop keeps answering; bounded, so big requests queue instead of crowding the engine's cores. With
+    `max_pending`, at most that many jobs run or wait at once, and the next is a 503 rather than a longer queue."""
 
-    def __init__(self, workers: int = 2) -> None:
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="pagedllm-tokenize")
+    def __init__(self, workers: int = 2, max_pending: int | None = None, name: str = "pagedllm-tokenize") -> None:
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self.max_pending = max_pending
+        self.slots = None if max_pending is None else threading.BoundedSemaphore(max_pending)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        if self.slots is None:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        if not self.slots.acquire(blocking=False):
+            raise APIError(503, f"{self.max_pending} tokenizer jobs of the utility routes are already queued; retry "
+                           "later", "server_error", code="server_overloaded", headers={"Retry-After": "1"})
+        try:
+            future = self.executor.submit(fn, *args)
+        except BaseException:
+            self.slots.release()
+            raise
+        future.add_done_callback(lambda _: self.slots.release())  # when the job ends, even if its caller left
+        return await asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def utility_pool() -> WorkerPool:
+    """The open utility routes' pool: UTILITY_WORKERS threads, UTILITY_PENDING jobs at once."""
+    return WorkerPool(UTILITY_WORKERS, UTILITY_PENDING, "pagedllm-utility")

@@ -140,8 +140,9 @@ class SamplingRequest(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    user: str | None = None
+    user: str | None = None  # the client --scheduling-policy fair shares service between (its first 256 characters)
     # vLLM extras
+    priority: Int = Field(0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first under --scheduling-policy priority
     top_k: Int = Field(-1, ge=-1, le=INT32_MAX)
     min_p: Float = Field(0.0, ge=0, le=1)
     repetition_penalty: Float = Field(1.0, gt=0, le=10)

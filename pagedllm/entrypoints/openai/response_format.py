@@ -52,7 +52,9 @@ def _checked(name: str, **fields: Any) -> StructuredOutputsParams:
 
 
 def _forced_tool_call(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """A grammar of `<tool_call>` blocks when tool_choice is "required" or names a function; None otherwise."""
+    """A grammar of `<tool_call>` blocks when tool_choice is "required" (one or more calls, up to
+    MAX_PARALLEL_CALLS unless parallel_tool_calls is false) or names a function (exactly one call, as vLLM); None
+    otherwise."""
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:
         raise InvalidRequestError("tool_choice needs tools")
@@ -60,8 +62,8 @@ def _forced_tool_call(req: ChatCompletionRequest) -> StructuredOutputsParams | N
         return None
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     chosen = forced_tools(tools, choice if isinstance(choice, str) else choice.model_dump())
-    return StructuredOutputsParams(grammar=tool_call_grammar(chosen, MAX_PARALLEL_CALLS if req.parallel_tool_calls
-                                                             else 1))
+    several = choice == "required" and req.parallel_tool_calls is not False
+    return StructuredOutputsParams(grammar=tool_call_grammar(chosen, MAX_PARALLEL_CALLS if several else 1))
 
 
 def tool_mode(req: ChatCompletionRequest) -> str:

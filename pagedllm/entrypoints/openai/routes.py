@@ -1,4 +1,5 @@
-"""The routes that generate nothing: /v1/models, /health, /metrics, /version, /tokenize, /detokenize (vLLM's)."""
+"""The routes that generate nothing: /v1/models, /health, /metrics, /version, /tokenize, /detokenize (vLLM's).
+/tokenize and /detokenize are open without --api-key (and with it unless --api-key-utility-routes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm import __version__
 from pagedllm.entrypoints.openai.errors import APIError, engine_errors, json_response
-from pagedllm.entrypoints.openai.limits import OFF_LOOP_CHARS
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving import server_of
-from pagedllm.entrypoints.openai.serving_chat import render_chat
+from pagedllm.entrypoints.openai.serving_chat import chat_renderer
 
 router = APIRouter()
 
@@ -59,22 +59,24 @@ async def version() -> dict[str, str]:
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> Response:
+    """Open without --api-key (as vLLM's): all its tokenizer work runs in the utility pool, whose queue is bounded
+    (503 past it), so a flood of these cannot delay the generating routes' tokenization."""
     ctx = server_of(raw)
     ctx.check_model(req.model)
-    tok = ctx.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
     if req.messages is not None:
-        ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
+        work = chat_renderer(ctx, req.messages, req.add_generation_prompt)
     else:
         ctx.check_prompt_chars(req.prompt, "prompt")
-        encode = functools.partial(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        ids = await ctx.workers.run(encode) if len(req.prompt) > OFF_LOOP_CHARS else encode()
+        work = functools.partial(ctx.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+    ids = await ctx.utility_workers.run(work)
     return json_response(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
+    """Open like /tokenize, and run in the same bounded pool."""
     ctx = server_of(raw)
     ctx.check_model(req.model)
     vocab = ctx.engine.vocab_size
@@ -82,4 +84,5 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> Response:
         raise APIError(400, f"at most max_model_len ({ctx.max_model_len}) tokens", param="tokens")
     if not all(0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
+    text = await ctx.utility_workers.run(ctx.tokenizer.decode, req.tokens)
+    return json_response(DetokenizeResponse(prompt=text))

@@ -12,20 +12,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import EngineClient, EngineRestartingError, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError, engine_errors, json_response, to_api_error
-from pagedllm.entrypoints.openai.limits import OFF_LOOP_CHARS, OFF_LOOP_TOKENS, SendDeadline, WorkerPool
+from pagedllm.entrypoints.openai.limits import (
+    OFF_LOOP_CHARS,
+    OFF_LOOP_TOKENS,
+    DeadlineStreamingResponse,
+    WorkerPool,
+    utility_pool,
+)
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import MAX_N, ErrorResponse, SamplingRequest, UsageInfo, random_id
 from pagedllm.entrypoints.openai.response_format import structured_outputs_of
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import MAX_CLIENT_CHARS, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.model.tokenizer import Tokenizer
@@ -42,7 +47,15 @@ class ServerContext:
     model_names: list[str]
     model_path: str | None
     workers: WorkerPool = dataclasses.field(default_factory=WorkerPool)
+    # the open utility routes' tokenizer work: its own thread and a bounded queue, so it cannot delay the above
+    utility_workers: WorkerPool = dataclasses.field(default_factory=utility_pool)
     stream_send_timeout: float = ServerConfig.stream_send_timeout
+    default_max_tokens: int | None = ServerConfig.default_max_tokens
+
+    def max_tokens(self, asked: int | None) -> int | None:
+        """A request's max_tokens, or the server's --default-max-tokens when it sets none (None: to the context's
+        end). Only what the client asked for is checked against the context: the default is a cap, not a claim."""
+        return asked if asked is not None else self.default_max_tokens
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -104,7 +117,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req))
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req),
+            priority=req.priority, client=req.user[:MAX_CLIENT_CHARS] if req.user is not None else None)
     except InvalidRequestError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
@@ -131,8 +145,9 @@ async def submit(ctx: ServerContext, id_prefix: str, prompts: list[list[int]], p
 def submit_choices(engine: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
                    n: int) -> list[RequestStream]:
     """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
-    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i)."""
-    engine.check_admission()
+    choice index = prompt * n + sample (sample i of a seeded request draws from seed + i). Admission counts every
+    sequence the request adds: prompts x n."""
+    engine.check_admission(len(prompts) * n)
     streams: list[RequestStream] = []
     try:
         for p, ids in enumerate(prompts):
@@ -253,28 +268,17 @@ def finish_fields(c: CompletionOutput) -> dict[str, Any]:
 
 
 # ---- server-sent events ----------------------------------------------------------------------------------
-class SSEResponse(StreamingResponse):
+class SSEResponse(DeadlineStreamingResponse):
     """An event stream that aborts its requests however it ends: client gone (before the first chunk too), or a
     client that stopped reading for `send_timeout` seconds (its unread output is not kept, see AsyncRequestStream)."""
 
     def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
                  send_timeout: float = ServerConfig.stream_send_timeout) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(content, send_timeout, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.streams = streams
-        self.send_timeout = send_timeout
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        deadline = SendDeadline(send, self.send_timeout)
-        try:
-            await super().__call__(scope, receive, deadline.send)
-        except asyncio.CancelledError:
-            if not deadline.expired:
-                raise
-            asyncio.current_task().uncancel()  # our own timer's cancellation, handled here
-            logger.warning("aborting a stream: the client read nothing for %g s", self.send_timeout)
-        finally:
-            deadline.close()
-            cancel_all(self.streams)
+    def closed(self) -> None:
+        cancel_all(self.streams)
 
 
 def sse(model: BaseModel) -> str:

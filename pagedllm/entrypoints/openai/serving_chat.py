@@ -4,7 +4,7 @@ Hermes-style), n choices, chat logprobs, tool calls parsed out of the text; a JS
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jinja2
@@ -80,6 +80,13 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_gener
     """The conversation through the model's chat template, as token ids (no second BOS); with `tools`, the tools
     and any tool calls and results in the template's way, or Hermes-style (tool_calls.py). A long one is rendered
     in a worker thread, and one longer than any context refused before it is tokenized."""
+    render = chat_renderer(ctx, messages, add_generation_prompt, tools)
+    return await ctx.workers.run(render) if message_chars(messages) > OFF_LOOP_CHARS else render()
+
+
+def chat_renderer(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                  tools: list[dict[str, Any]] | None = None) -> Callable[[], list[int]]:
+    """render_chat's work, to run where the caller says."""
     dicts = [message_dict(m) for m in messages]
     dicts, extra = render_tool_messages(dicts, tools, template_knows_tools(ctx.tokenizer.chat_template))
 
@@ -91,7 +98,7 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_gener
         ctx.check_prompt_chars(text, "messages")
         return ctx.tokenizer.encode(text, add_special_tokens=False)
 
-    return await ctx.workers.run(render) if message_chars(messages) > OFF_LOOP_CHARS else render()
+    return render
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -110,7 +117,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_n = chat_top_logprobs(req)
-    params = sampling_params(req, max_tokens, top_n)
+    params = sampling_params(req, ctx.max_tokens(max_tokens), top_n)
     tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),

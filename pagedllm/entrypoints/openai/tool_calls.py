@@ -20,7 +20,7 @@ from pagedllm.engine.structured_output import close_objects
 from pagedllm.errors import InvalidRequestError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-MAX_PARALLEL_CALLS = 4  # a forced grammar allows 1..4 calls (1 with parallel_tool_calls=false)
+MAX_PARALLEL_CALLS = 4  # "required" allows 1..4 calls (1 with parallel_tool_calls=false); a named function is 1 call
 # The layout json.dumps writes and Hermes models emit; flexible whitespace before "{" of an alternative %json rule
 # was accepted by llguidance in tests, so tool-call JSON has none.
 CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -103,7 +103,11 @@ def _call_object(call: dict[str, Any]) -> dict[str, Any]:
 # ---- the grammar -----------------------------------------------------------------------------------------
 def tool_call_grammar(tools: list[dict[str, Any]], max_calls: int = MAX_PARALLEL_CALLS) -> str:
     """Lark (llguidance's dialect) for 1..max_calls `<tool_call>` blocks, each a call of one of `tools` whose
-    arguments validate against the function's parameters (objects closed to extra keys, as for response formats)."""
+    arguments validate against the function's parameters (objects closed to extra keys, as for response formats).
+
+    Calls are joined by one "\\n" (Qwen / Hermes layout). After a call the model ends the calls with EOS or with a
+    blank line (which then finishes the output): a small model that would go on in prose after its call wants "\\n"
+    first, and a grammar that then allowed only EOS or another `<tool_call>` made it write a second, junk call."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
@@ -116,8 +120,9 @@ def tool_call_grammar(tools: list[dict[str, Any]], max_calls: int = MAX_PARALLEL
                 "x-guidance": CALL_JSON_LAYOUT}
         rules.append(f"fn_{i}: %json {json.dumps(call, ensure_ascii=False)}")
         names.append(f"fn_{i}")
-    return "\n".join([f"start: tool_call{{1,{max_calls}}}",
-                      f'tool_call: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}" "\\n"?',
+    more = f' ("\\n" tool_call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+    return "\n".join([f'start: tool_call{more} "\\n"{{0,2}}',
+                      f'tool_call: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"',
                       "call: " + " | ".join(names), *rules])
 
 

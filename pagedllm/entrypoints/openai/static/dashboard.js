@@ -16,11 +16,16 @@ const EVENT_TEXT = {
 };
 const MAX_EVENTS = 400;
 const LIVE_WINDOW_S = 120;
+// Under --data-parallel-size the page shows one replica's pool: /dashboard?replica=i (replica 0 if not given).
+const REPLICA = new URLSearchParams(location.search).get("replica");
+const QUERY = REPLICA === null ? "" : `?replica=${encodeURIComponent(REPLICA)}`;
 
 const S = (window.dashboardState = {
   mode: null, // "live" | "replay"
   connected: false,
   model: "",
+  replica: null, // the replica shown, under --data-parallel-size (else null)
+  replicas: [], // every replica's health and headline numbers (/dashboard/info), refreshed every 2 s
   framesReceived: 0,
   version: null,
   step: 0,
@@ -401,7 +406,7 @@ function coalesced(events, limit) {
 
 function drawMeta() {
   const when = S.time ? new Date(S.time * 1000).toLocaleTimeString() : "";
-  $("meta").textContent = [S.model, S.kvPolicy && `kv policy ${S.kvPolicy}`, when && `snapshot at ${when}`]
+  $("meta").textContent = [S.model, S.replica !== null && `replica ${S.replica} of ${S.replicas.length}`, S.kvPolicy && `kv policy ${S.kvPolicy}`, when && `snapshot at ${when}`]
     .filter(Boolean).join(" · ");
   const conn = $("conn");
   if (S.mode === "replay") { conn.className = "pill replay"; conn.textContent = "replay"; }
@@ -468,7 +473,7 @@ function select(id) {
 
 // ---- sources ------------------------------------------------------------------------------------------------------
 function connectLive() {
-  const source = new EventSource("/dashboard/events");
+  const source = new EventSource(`/dashboard/events${QUERY}`);
   source.onopen = () => { S.connected = true; dirty = true; };
   source.onmessage = (msg) => { applyFrame(JSON.parse(msg.data)); S.connected = true; };
   source.onerror = () => { S.connected = false; dirty = true; }; // EventSource reconnects by itself
@@ -496,6 +501,35 @@ async function loadReplay() {
   $("play").addEventListener("click", () => (S.replay.playing ? stop() : play()));
   $("replay").hidden = false;
   seek(0);
+}
+
+// ---- replicas (--data-parallel-size): one button per replica, with its headline numbers; a click shows its pool
+function drawReplicas() {
+  const nav = $("replicas");
+  nav.hidden = !S.replicas.length;
+  nav.replaceChildren(...S.replicas.map((r) => {
+    const a = document.createElement("a");
+    a.href = `?replica=${r.replica}`;
+    a.className = "replica" + (r.replica === S.replica ? " current" : "") + (r.healthy ? "" : " down");
+    a.dataset.replica = String(r.replica);
+    const kv = r.num_blocks ? (100 * r.blocks_in_use) / r.num_blocks : null;
+    const hit = r.prefix_cache_hit_rate === null || r.prefix_cache_hit_rate === undefined ? null : 100 * r.prefix_cache_hit_rate;
+    const title = document.createElement("b");
+    title.textContent = `replica ${r.replica}${r.healthy ? "" : " · down"}${r.restarts ? ` · ${r.restarts} restarts` : ""}`;
+    const figures = document.createElement("span");
+    figures.textContent = `KV ${fmt(kv, 1)}% · ${fmt(r.num_running)} running · ${fmt(r.num_waiting)} waiting · ` +
+      `${fmt(r.tokens_per_s, 1)} tok/s · prefix hits ${fmt(hit, 1)}%`;
+    a.append(title, figures);
+    return a;
+  }));
+}
+
+async function refreshReplicas() {
+  try {
+    const info = await (await fetch(`/dashboard/info${QUERY}`)).json();
+    S.replicas = info.replicas || [];
+    drawReplicas();
+  } catch (e) { /* the server is restarting: the next refresh will tell */ }
 }
 
 function seek(index) {
@@ -536,9 +570,15 @@ function stop() {
 
 async function main() {
   setupInteraction();
-  const info = await (await fetch("/dashboard/info")).json();
+  const info = await (await fetch(`/dashboard/info${QUERY}`)).json();
   S.mode = info.mode;
   S.model = info.model || "";
+  if (info.replicas) {
+    S.replica = info.replica;
+    S.replicas = info.replicas;
+    drawReplicas();
+    setInterval(refreshReplicas, 2000);
+  }
   if (info.mode === "replay") await loadReplay(); else connectLive();
   const loop = () => { render(); requestAnimationFrame(loop); };
   requestAnimationFrame(loop);

@@ -1,0 +1,140 @@
+"""Who waits and who is preempted, beside the paged policy's FCFS (`--scheduling-policy`): strict priorities and
+per-client fairness (the Virtual Token Counter, core/fairness.py). Each is the paged scheduler with its waiting queue
+replaced (the queue's front is the policy's pick) and an admission hook or two overridden."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Iterator
+
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter
+from pagedllm.core.plan import SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import SequenceGroup
+
+# A group preempted this many times is no longer displaced by a waiting one, and is the last a shortage of blocks
+# preempts: no ping-pong, and a low-priority request under a stream of high-priority ones loses its work at most
+# this often (unless nothing else is left to preempt)
+DISPLACEMENT_FLOOR = 2
+
+
+def priority_key(group: SequenceGroup) -> tuple[int, float, int]:
+    """Priority (lower first), then arrival, then the order requests were made in."""
+    first = group.seqs[0]
+    return group.priority, first.metrics.arrival_time, first.seq_id
+
+
+def running_key(group: SequenceGroup) -> tuple[bool, tuple[int, float, int]]:
+    """The running order: groups at the floor first (preempted last), then by priority_key."""
+    return group.num_preemptions < DISPLACEMENT_FLOOR, priority_key(group)
+
+
+class PriorityQueue:
+    """Waiting groups in priority_key order; a preempted group goes back by its key, not to the front."""
+
+    def __init__(self) -> None:
+        self._groups: list[SequenceGroup] = []
+
+    def append(self, group: SequenceGroup) -> None:
+        bisect.insort(self._groups, group, key=priority_key)
+
+    appendleft = append
+
+    def popleft(self) -> SequenceGroup:
+        return self._groups.pop(0)
+
+    def remove(self, group: SequenceGroup) -> None:
+        self._groups.remove(group)
+
+    def __getitem__(self, index: int) -> SequenceGroup:
+        return self._groups[index]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self) -> Iterator[SequenceGroup]:
+        return iter(self._groups)
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._groups
+
+
+class PriorityScheduler(Scheduler):
+    """Admit by priority, then arrival; the running list is kept in the same order (`running_key`), so budget goes
+    to the higher priorities first and the group preempted when blocks run out is the lowest priority (newest among
+    equals). A waiting group that does not fit displaces strictly lower-priority running groups if that makes room."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.waiting = PriorityQueue()
+        self.num_displacements = 0
+
+    def _admit(self, group: SequenceGroup) -> None:
+        super()._admit(group)
+        self.running.sort(key=running_key)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        super()._admit_waiting(out)
+        if out.budget > 0 and not out.preempted and self.waiting:
+            self._displace_for(self.waiting[0], out)
+
+    def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> None:
+        """Preempt lower-priority running groups, lowest first, for the head of the queue, and admit it; only if
+        preempting all of them would make room (as far as the block counts tell), so none goes in vain."""
+        victims = [g for g in reversed(self.running) if g.priority > head.priority
+                   and g.num_preemptions < DISPLACEMENT_FLOOR]
+        budget = out.budget
+        if not victims or not self._would_fit(head, victims, budget):
+            return
+        for victim in victims:
+            if self._fits(head, budget):
+                break
+            self.preempt(victim, out)
+            self.num_displacements += 1
+        if self._fits(head, budget):
+            writes = self._plan_writes(head, budget)
+            self._admit(head)
+            self._run(head, writes, out)
+
+    def _fits(self, head: SequenceGroup, budget: int) -> bool:
+        return self._seats_for_next() and \
+            self._blocks_to_admit(head, self._plan_writes(head, budget)) <= self.block_manager.num_free_blocks
+
+    def _would_fit(self, head: SequenceGroup, victims: list[SequenceGroup], budget: int) -> bool:
+        """Seats and blocks for the head once the victims are gone: a block is freed if only victims hold it."""
+        seats = self.num_running_seqs - sum(v.num_unfinished for v in victims) + head.num_unfinished
+        freed = freed_blocks(self.block_manager, victims)
+        needed = self._blocks_to_admit(head, self._plan_writes(head, budget))
+        return seats <= self.max_num_seqs and needed <= self.block_manager.num_free_blocks + freed
+
+
+def freed_blocks(bm: BlockManager, groups: list[SequenceGroup]) -> int:
+    """Blocks that freeing these groups' tables would return to the pool."""
+    held = Counter(b for g in groups for s in g.seqs if bm.has_table(s.seq_id) for b in bm.block_table(s.seq_id))
+    return sum(bm.pool.ref_counts[b] == k for b, k in held.items())
+
+
+class FairScheduler(Scheduler):
+    """VTC: admit the earliest waiting group of the client served least; a client is charged its prompt when its
+    request is first admitted and every token sampled for it. When blocks run out, the client served most loses its
+    newest running group."""
+
+    def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.waiting = self.vtc = VirtualTokenCounter(client_weights)
+
+    def _admit(self, group: SequenceGroup) -> None:
+        super()._admit(group)
+        if not group.num_preemptions:  # a preempted group's prompt was charged when it first ran
+            self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
+
+    def _victim(self) -> SequenceGroup:
+        return max(reversed(self.running), key=lambda g: self.vtc.counter(g.client))
+
+    def commit(self, plan: SchedulerOutput) -> None:
+        super().commit(plan)
+        for s in plan.scheduled:
+            if s.samplers:
+                self.vtc.charge(s.seq.params.client, OUTPUT_WEIGHT * len(s.samplers) * (1 + len(s.draft)))

@@ -1,0 +1,47 @@
+"""`pagedllm bench fairness`: its measures on made-up results, and a whole run against `pagedllm serve` processes
+on the tiny model (behaviour only: counts and structure, never a timing)."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.bench.fairness import Sent, client_rows, service_samples
+from pagedllm.bench.serve import RequestResult
+from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
+from pagedllm.entrypoints.cli import main
+
+
+def result(start: float, ttft: float, gaps: list[float], prompt_len: int = 10) -> RequestResult:
+    return RequestResult(prompt_len, start_s=start, ttft_s=ttft, itl_s=gaps, output_tokens=1 + len(gaps),
+                         latency_s=ttft + sum(gaps))
+
+
+def test_service_trace_counts_prompt_at_first_token_and_each_output_token():
+    log = [Sent("a", result(0.0, 1.0, [1.0, 1.0])), Sent("b", result(0.0, 2.5, []))]
+    samples = service_samples(log, end_s=4.0, step_s=0.5)
+    served, backlogged = samples[2]  # t = 1.0: a's first token is in, b still waits
+    assert served == {"a": INPUT_WEIGHT * 10 + OUTPUT_WEIGHT, "b": 0.0} and backlogged == {"b"}
+    assert samples[0][1] == {"a", "b"}
+    assert samples[-1][0] == {"a": INPUT_WEIGHT * 10 + 3 * OUTPUT_WEIGHT, "b": INPUT_WEIGHT * 10 + OUTPUT_WEIGHT}
+    # both backlogged only at t = 0 and 0.5, while neither was served: no gap
+    assert max_service_gap(samples) == 0.0
+    rows = client_rows(log, duration_s=4.0)
+    assert [(r["client"], r["requests"], r["output_tokens"]) for r in rows] == [("a", 1, 3), ("b", 1, 1)]
+
+
+def test_bench_fairness_runs_every_policy(tiny_model_dir, tmp_path):
+    out = tmp_path / "fairness.json"
+    assert main(["bench", "fairness", "--model", tiny_model_dir, "--dtype", "float32", "--threads", "1",
+                 "--attention-backend", "reference", "--num-blocks", "128", "--max-model-len", "256",
+                 "--max-num-seqs", "2", "--heavy-requests", "3", "--heavy-input-len", "16", "--heavy-output-len", "4",
+                 "--light-clients", "2", "--light-input-len", "8", "--light-output-len", "2", "--think-time", "0.1",
+                 "--idle-seconds", "1", "--server-log-dir", str(tmp_path), "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["policy"] for r in result["runs"]] == ["idle", "fcfs", "priority", "fair"]
+    assert "--scheduling-policy" not in result["server_argv"]
+    for run in result["runs"]:
+        clients = {row["client"]: row for row in run["clients"]}
+        assert set(clients) == ({"light0", "light1"} if run["policy"] == "idle" else {"heavy", "light0", "light1"})
+        assert all(row["failed"] == 0 and row["requests"] >= 1 for row in clients.values())
+        if run["policy"] != "idle":
+            assert clients["heavy"]["requests"] == 3 and clients["heavy"]["output_tokens"] == 12

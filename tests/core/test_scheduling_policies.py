@@ -1,0 +1,260 @@
+"""The priority and fair (VTC) scheduling policies without a model: random workloads keep the block invariants and
+finish every request; priority order holds at admission and preemption with no ping-pong; VTC keeps backlogged
+clients' service within its bound."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler import Sim
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.baselines import make_scheduler
+from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, max_service_gap
+from pagedllm.core.policies import DISPLACEMENT_FLOOR, FairScheduler, PriorityScheduler, priority_key
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.outputs import RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+
+
+def request(rid: str, prompt_len: int, max_tokens: int, n: int = 1, priority: int = 0, client: str | None = None,
+            arrival: float = 0.0, first: int = 1) -> Sequence:
+    """Prompts first, first + 1, ...: with the same `first` they share prefixes, so the prefix cache plays too."""
+    params = SamplingParams(max_tokens=max_tokens, n=n, priority=priority, client=client)
+    return Sequence(rid, None, list(range(first, first + prompt_len)), params, RequestMetrics(arrival),
+                    max_tokens=max_tokens)
+
+
+def policy_sim(cls: type[Scheduler], num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
+               **kwargs: object) -> Sim:
+    sim = Sim(num_blocks, block_size, max_num_seqs, budget)
+    sim.sched = cls(sim.bm, max_num_seqs, budget, **kwargs)
+    return sim
+
+
+def random_request(rng: random.Random, step: int, num_blocks: int, block_size: int, max_num_seqs: int,
+                   clients: int = 3) -> Sequence:
+    n = rng.randint(1, min(3, max_num_seqs))
+    capacity = num_blocks // n * block_size
+    prompt = rng.randint(1, max(1, capacity // 2))
+    max_tokens = rng.randint(1, max(1, min(40, capacity - prompt)))
+    return request(f"r{step}", prompt, max_tokens, n, priority=rng.randint(0, 3), client=f"c{rng.randrange(clients)}",
+                   arrival=float(step))
+
+
+def test_make_scheduler_picks_the_policy():
+    for policy, cls in (("fcfs", Scheduler), ("priority", PriorityScheduler), ("fair", FairScheduler)):
+        assert type(make_scheduler(SchedulerConfig(scheduling_policy=policy), 64)) is cls
+    fair = make_scheduler(SchedulerConfig(scheduling_policy="fair", client_weights={"a": 2.0}), 64)
+    assert isinstance(fair, FairScheduler) and fair.vtc.weights == {"a": 2.0}
+
+
+@settings(max_examples=80, deadline=None)
+@given(policy=st.sampled_from([PriorityScheduler, FairScheduler]), block_size=st.sampled_from([1, 4, 16]),
+       num_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 6), budget=st.integers(1, 48),
+       seed=st.integers(0, 10_000))
+def test_random_workload_loses_nothing_and_keeps_order(policy, block_size, num_blocks, max_num_seqs, budget, seed):
+    """Every request finishes whole, the blocks' invariants hold after every step (Sim.step checks them), and under
+    priority: admission takes a prefix of the queue in key order, a preempted group is the lowest-priority running
+    one unless the others were floored, and a group is displaced at most DISPLACEMENT_FLOOR times."""
+    rng = random.Random(seed)
+    sim = policy_sim(policy, num_blocks, block_size, max_num_seqs, budget)
+    sim.next_token = lambda seq: rng.randrange(3)
+    submitted, aborted = [], set()
+    for step in range(4000):
+        if step < 60 and rng.random() < 0.4:
+            seq = random_request(rng, step, num_blocks, block_size, max_num_seqs)
+            sim.add(seq)
+            submitted.append(seq.request_id)
+        if sim.live and rng.random() < 0.02:
+            rid = rng.choice(sorted(sim.live))
+            aborted.add(rid)
+            sim.abort(rid)
+        if step >= 60 and not sim.sched.has_unfinished():
+            break
+        waiting, running = list(sim.sched.waiting), list(sim.sched.running)
+        before = {id(g): g.num_preemptions for g in waiting + running}
+        displaced = getattr(sim.sched, "num_displacements", 0)
+        sim.step()
+        if policy is PriorityScheduler:
+            check_priority_step(sim.sched, waiting, running, before, displaced)
+    assert not sim.sched.has_unfinished(), "requests were left behind (livelock or lost request)"
+    assert sim.bm.num_free_blocks == num_blocks
+    assert set(sim.finished) | aborted == set(submitted)
+    for rid, group in sim.finished.items():
+        assert all(seq.num_output_tokens == seq.max_tokens for seq in group.seqs), rid
+
+
+def check_priority_step(sched: PriorityScheduler, waiting: list[SequenceGroup], running: list[SequenceGroup],
+                        before: dict[int, int], displaced: int) -> None:
+    still_waiting = {id(g) for g in sched.waiting}
+    admitted = [g for g in waiting if id(g) not in still_waiting]
+    if admitted and sched.waiting:
+        assert max(map(priority_key, admitted)) < min(map(priority_key, sched.waiting)), "admitted out of order"
+    victims = [g for g in running if id(g) in still_waiting]
+    for v in victims:
+        for r in sched.running:
+            assert priority_key(r) < priority_key(v) or r.num_preemptions >= DISPLACEMENT_FLOOR, \
+                "preempted a higher priority than one left running"
+    if sched.num_displacements > displaced:  # a displacement step preempts only for the waiting head
+        head = min(admitted, key=priority_key)
+        assert sched.num_displacements - displaced == len(victims)
+        for v in victims:
+            assert before[id(v)] < DISPLACEMENT_FLOOR and v.priority > head.priority
+
+
+def test_high_priority_request_displaces_low_priority_ones():
+    sim = policy_sim(PriorityScheduler, num_blocks=8, block_size=4, max_num_seqs=8, budget=64)
+    lows = [sim.add(request(f"low{i}", 7, 20, priority=5, arrival=i)) for i in range(4)]
+    sim.step()  # all four prefill: 2 blocks each, the pool is full
+    assert sim.bm.num_free_blocks == 0 and len(sim.sched.running) == 4
+    high = sim.add(request("high", 6, 4, priority=0, arrival=10))
+    sim.step()
+    assert high in sim.sched.running and sim.sched.num_displacements >= 1
+    assert lows[-1].status.value == "waiting"  # the newest of the lowest priority went first
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sorted(sim.finished) == sorted(["high"] + [f"low{i}" for i in range(4)])
+
+
+def test_equal_priorities_never_displace_each_other():
+    sim = policy_sim(PriorityScheduler, num_blocks=4, block_size=4, max_num_seqs=8, budget=64)
+    sim.add(request("a", 8, 30, priority=1, arrival=0))
+    sim.add(request("b", 8, 30, priority=1, arrival=1))
+    sim.step()
+    sim.add(request("c", 8, 30, priority=1, arrival=2))
+    for _ in range(5):
+        sim.step()
+    assert sim.sched.num_displacements == 0
+
+
+def test_displacement_stops_at_the_floor():
+    """A stream of high-priority requests preempts one low-priority request at most DISPLACEMENT_FLOOR times."""
+    sim = policy_sim(PriorityScheduler, num_blocks=6, block_size=4, max_num_seqs=8, budget=64)
+    low = sim.add(request("low", 16, 6, priority=9, arrival=0))  # 4 of the 6 blocks, 6 at the end
+    sim.step()
+    for i in range(2 * DISPLACEMENT_FLOOR + 2):
+        sim.add(request(f"high{i}", 12, 2, priority=0, arrival=1 + i, first=100))  # never fits beside it
+        for _ in range(3):
+            sim.step()
+    assert sim.sched.num_displacements == low.num_preemptions == DISPLACEMENT_FLOOR
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert "low" in sim.finished
+
+
+# ---- VTC -----------------------------------------------------------------------------------------------------------
+def test_vtc_lifts_a_returning_client_to_the_least_waiting_counter():
+    vtc = VirtualTokenCounter()
+    a, b, c = (SequenceGroup.make(request(x, 4, 4, client=x)) for x in "abc")
+    vtc.append(a)
+    vtc.append(b)
+    vtc.charge("a", 100)
+    vtc.charge("b", 40)
+    vtc.append(c)  # new client: starts at the least waiting counter, not at 0
+    assert vtc.counter("c") == 40 and vtc[0] in (b, c) and len(vtc) == 3
+    assert vtc.popleft() is b  # b and c tie at 40; b has waited longer
+    assert vtc.popleft() is c and vtc.popleft() is a and not vtc
+    assert vtc.last_left == 100
+    d = SequenceGroup.make(request("d", 4, 4, client="d"))
+    vtc.append(d)  # nobody waits: lifted to the last to leave
+    assert vtc.counter("d") == 100
+
+
+def test_vtc_forgets_idle_clients_a_lift_would_raise_anyway(monkeypatch):
+    monkeypatch.setattr("pagedllm.core.fairness.KEPT_COUNTERS", 8)
+    vtc = VirtualTokenCounter()
+    vtc._prune_at = 8
+    vtc.append(SequenceGroup.make(request("busy", 4, 4, client="busy")))  # always waiting, served on and on
+    vtc.charge("rich", 10_000)  # served a lot, now idle: kept
+    for i in range(40):  # one-off clients, each served a little and gone
+        g = SequenceGroup.make(request(f"x{i}", 4, 4, client=f"x{i}"))
+        vtc.append(g)  # lifted to busy's counter
+        vtc.charge(f"x{i}", 1)
+        vtc.remove(g)
+        vtc.charge("busy", 10)
+    assert len(vtc.counters) <= 16 and vtc.counter("rich") == 10_000 and len(vtc) == 1
+    late = SequenceGroup.make(request("x0", 4, 4, client="x0"))
+    vtc.append(late)  # a forgotten client comes back where a lift puts it
+    assert vtc.counter("x0") == vtc.counter("busy")
+
+
+def service_gap(cls: type[Scheduler], workload: list[tuple[int, Sequence]], num_blocks: int, block_size: int,
+                    max_num_seqs: int, budget: int) -> tuple[float, int]:
+    """The largest change of one client's service minus another's over a stretch when both were backlogged, and the
+    number of steps. Service is measured here, not read from the counters: the prompt (w_p per token) when a request
+    is first scheduled, w_q per token sampled."""
+    sim = policy_sim(cls, num_blocks, block_size, max_num_seqs, budget)
+    clients = sorted({seq.params.client for _, seq in workload})
+    service = dict.fromkeys(clients, 0.0)
+    started: set[str] = set()
+    history: list[dict[str, float]] = []
+    backlogged: list[set[str]] = []
+    pending = sorted(copy.deepcopy(workload), key=lambda x: x[0])  # the caller may run the workload again
+    plans = []
+    schedule = sim.sched.schedule
+    sim.sched.schedule = lambda: plans.append(schedule()) or plans[-1]
+    step = 0
+    while pending or sim.sched.has_unfinished():
+        while pending and pending[0][0] <= step:
+            sim.add(pending.pop(0)[1])
+        backlogged.append({g.client for g in sim.sched.waiting})
+        sim.step()
+        for s in plans[-1].scheduled:
+            client = s.seq.params.client
+            if s.seq.request_id not in started:
+                started.add(s.seq.request_id)
+                service[client] += INPUT_WEIGHT * s.seq.num_prompt_tokens
+            service[client] += OUTPUT_WEIGHT * len(s.samplers)
+        history.append(dict(service))
+        step += 1
+        assert step < 20_000, "livelock"
+    return max_service_gap(list(zip(history, backlogged))), step
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(12, 40), block_size=st.sampled_from([2, 4, 8]), max_num_seqs=st.integers(2, 8),
+       budget=st.integers(8, 64), seed=st.integers(0, 10_000))
+def test_vtc_keeps_backlogged_clients_within_the_service_bound(num_blocks, block_size, max_num_seqs, budget, seed):
+    """Sheng et al.'s bound: two clients backlogged over an interval get service within 2U of each other, U =
+    max(w_p * L_input, w_q * M): the most one request's prompt, or the running batch's outputs (M: the tokens the
+    pool holds), can add at once."""
+    rng = random.Random(seed)
+    capacity = num_blocks * block_size
+    workload = []
+    for i in range(rng.randint(10, 40)):
+        prompt = rng.randint(1, capacity // 4)
+        client = f"c{rng.randrange(3)}"
+        workload.append((rng.randint(0, 80), request(f"r{i}", prompt, rng.randint(1, capacity // 4), client=client)))
+    max_input = max(seq.num_prompt_tokens for _, seq in workload)
+    bound = 2 * max(INPUT_WEIGHT * max_input, OUTPUT_WEIGHT * capacity)
+    gap, _ = service_gap(FairScheduler, workload, num_blocks, block_size, max_num_seqs, budget)
+    assert gap <= bound
+
+
+def test_fcfs_breaks_the_bound_that_vtc_keeps():
+    """A heavy client's backlog queued first holds a light client behind it under FCFS, not under VTC."""
+    workload = [(0, request(f"heavy{i}", 16, 32, client="heavy")) for i in range(30)]
+    workload += [(1 + 4 * i, request(f"light{i}", 8, 8, client="light")) for i in range(10)]
+    capacity = 32 * 4
+    bound = 2 * max(INPUT_WEIGHT * 16, OUTPUT_WEIGHT * capacity)
+    fcfs_gap, _ = service_gap(Scheduler, workload, 32, 4, 4, 64)
+    fair_gap, _ = service_gap(FairScheduler, workload, 32, 4, 4, 64)
+    assert fcfs_gap > bound >= fair_gap
+
+
+def test_vtc_weights_share_the_service():
+    """Two clients with identical backlogs, one of weight 3: it gets about three times the service meanwhile."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=2, budget=64,
+                     client_weights={"big": 3.0})
+    for i in range(40):
+        sim.add(request(f"big{i}", 4, 4, client="big"))
+        sim.add(request(f"small{i}", 4, 4, client="small"))
+    while sum(r.startswith("small") for r in sim.finished) < 10:
+        sim.step()
+    big = sum(r.startswith("big") for r in sim.finished)
+    assert 25 <= big <= 35
