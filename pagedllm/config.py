@@ -290,6 +290,8 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds to receive a whole request body
     stream_send_timeout: float = 30.0  # seconds a stream waits for its client to take the next chunk
     timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's)
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (least recently used out)
+    responses_store_ttl: float = 3600.0  # seconds a stored response is kept after its last use
     disable_log_requests: bool = False
     disable_log_stats: bool = False
     no_dashboard: bool = False
@@ -302,7 +304,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                     "timeout_keep_alive", "default_max_tokens", "max_dashboard_streams"):
+                     "timeout_keep_alive", "default_max_tokens", "max_dashboard_streams", "responses_store_size",
+                     "responses_store_ttl"):
             if getattr(self, flag) is not None and getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
         if self.api_key_utility_routes and not self.api_key:
@@ -338,6 +341,10 @@ class ServerConfig:
                        help="a stream whose client reads nothing for this many seconds is aborted")
         g.add_argument("--timeout-keep-alive", type=int, default=d["timeout_keep_alive"].default,
                        help="seconds an idle keep-alive connection stays open (uvicorn's)")
+        g.add_argument("--responses-store-size", type=int, default=d["responses_store_size"].default,
+                       help="stored /v1/responses kept at most (least recently used out)")
+        g.add_argument("--responses-store-ttl", type=float, default=d["responses_store_ttl"].default,
+                       help="seconds a stored /v1/responses response is kept after its last use")
         g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
         g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine throughput line")
         g.add_argument("--no-dashboard", action="store_true", help="no /dashboard (the live view of the KV cache)")

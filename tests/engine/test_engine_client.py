@@ -65,7 +65,7 @@ def test_serve_flags_default_to_server_config(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("flag", ["max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
-                                  "timeout_keep_alive"])
+                                  "timeout_keep_alive", "responses_store_size", "responses_store_ttl"])
 def test_server_config_refuses_limits_that_are_not_positive(flag: str) -> None:
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be positive, got 0"):
         ServerConfig(**{flag: 0})

@@ -38,8 +38,9 @@ def operations() -> list[tuple[str, str, str]]:
     requests for all, invalid ones for those that take a body (the others have nothing to break)."""
     from pagedllm.entrypoints.openai.app import ROUTERS
 
-    ops = sorted((method, route.path) for router in ROUTERS for route in router.routes for method in route.methods)
-    return [(m, p, mode) for m, p in ops for mode in ("positive", "negative") if mode == "positive" or m == "POST"]
+    ops = sorted((method, route.path, route.body_field is not None) for router in ROUTERS for route in router.routes
+                 for method in route.methods)
+    return [(m, p, mode) for m, p, body in ops for mode in ("positive", "negative") if mode == "positive" or body]
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), operations())

@@ -1,6 +1,6 @@
-"""How failures reach an OpenAI client: every bad request is a 4xx with an OpenAI-style body
-{"error": {message, type, param, code}}, never a 500; overload and a dead or restarting engine are 503s; and the
-API key that guards /v1."""
+"""How failures reach a client: every bad request is a 4xx with an OpenAI-style body
+{"error": {message, type, param, code}} (Anthropic's {"type": "error", "error": {type, message}} on /v1/messages),
+never a 500; overload and a dead or restarting engine are 503s; and the API key that guards /v1."""
 
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.protocol import EngineDeadError, EngineRestartingError, QueueFullError, TooManySequencesError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.entrypoints.openai.protocol_messages import AnthropicErrorInfo, AnthropicErrorResponse
 from pagedllm.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.errors")
+ANTHROPIC_PATH = "/v1/messages"  # the routes whose clients read Anthropic's error body
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -33,8 +38,14 @@ class APIError(Exception):
         self.status, self.headers = status, headers
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
-    def response(self) -> Response:
-        return json_response(ErrorResponse(error=self.info), self.status, self.headers)
+    def response(self, path: str = "") -> Response:
+        """The error body the client of `path` reads: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else ErrorResponse(error=self.info)
+        return json_response(body, self.status, self.headers)
+
+    def anthropic_body(self) -> AnthropicErrorResponse:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return AnthropicErrorResponse(error=AnthropicErrorInfo(type=kind, message=self.info.message))
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -68,36 +79,48 @@ def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] |
     return Response(model.model_dump_json(), status, headers, media_type="application/json")
 
 
+UNION_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names for a union's members
+
+
+def field_path(loc: tuple) -> tuple:
+    """An error's location as the client wrote the request: no "body", no union member names ("str", "list[...]")."""
+    return tuple(x for x in loc if x != "body" and not (isinstance(x, str) and (x in UNION_BRANCHES or "[" in x)))
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400: which field is wrong and why, without echoing the input."""
-    messages: list[str] = []
-    param = None
+    """FastAPI's 422 as OpenAI's 400: which field is wrong and why, without echoing the input. Of a union's
+    members, the errors of the one the input went deepest into (a list of blocks, not "should be a string")."""
+    errors = []
     for err in exc.errors():
         if err.get("type") == "json_invalid":
             return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        param = param or loc.split(".")[0] or None
-        message = f"{loc or 'body'}: {err.get('msg')}"
+        errors.append((field_path(tuple(err.get("loc", ()))), err.get("msg")))
+    messages: list[str] = []
+    for path, msg in errors:
+        if any(len(other) > len(path) and other[:len(path)] == path for other, _ in errors):
+            continue
+        message = f"{'.'.join(map(str, path)) or 'body'}: {msg}"
         if message not in messages:
             messages.append(message)
+    param = next((str(path[0]) for path, _ in errors if path), None)
     return APIError(400, "; ".join(messages) or "invalid request", param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: Exception) -> Response:
-        return exc.response()  # type: ignore[attr-defined]
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        return exc.response(request.url.path)  # type: ignore[attr-defined]
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.error("unhandled error", exc_info=exc)
-        return APIError(500, "internal server error", "server_error").response()
+        return APIError(500, "internal server error", "server_error").response(request.url.path)
 
-    async def on_validation(_: Request, exc: Exception) -> Response:
-        return validation_error(exc).response()  # type: ignore[arg-type]
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        return validation_error(exc).response(request.url.path)  # type: ignore[arg-type]
 
-    async def on_http(_: Request, exc: Exception) -> Response:
+    async def on_http(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
         kind = "invalid_request_error" if status < 500 else "server_error"
-        return APIError(status, str(getattr(exc, "detail", exc)), kind).response()
+        return APIError(status, str(getattr(exc, "detail", exc)), kind).response(request.url.path)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
@@ -109,8 +132,8 @@ UTILITY_ROUTES = ("/tokenize", "/detokenize")  # vLLM's "utility endpoints": ope
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer KEY` (and the `also` paths); /health, /metrics and the rest
-    stay open."""
+    """Every /v1 route needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (and the `also` paths);
+    /health, /metrics and the rest stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str, also: tuple[str, ...] = ()) -> None:
         self.app = app
@@ -124,11 +147,13 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope):
             error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        value = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)

@@ -25,6 +25,9 @@ stats_logger = logging.getLogger("pagedllm.stats")
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0]
+# The API a request came through, by the prefix of its id (serving_*.py's `submit(ctx, prefix, ...)`).
+ENDPOINTS = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions", "resp": "/v1/responses",
+             "msg": "/v1/messages"}
 ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                10.0, 20.0, 40.0, 80.0]
 
@@ -76,6 +79,8 @@ class EngineStats(ServingObserver):
             "kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix (reusable until evicted).")
         self._request_success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=self.registry)
+        self._endpoint_requests = Counter("pagedllm:endpoint_requests", "Finished requests, by the API they came "
+                                          "through.", ["model_name", "endpoint"], registry=self.registry)
         self._model_name = model_name
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
                                              LATENCY_BUCKETS)
@@ -163,6 +168,7 @@ class EngineStats(ServingObserver):
             del self._progress[out.request_id]
             reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
             self._request_success.labels(self._model_name, reason).inc()
+            self._endpoint_requests.labels(self._model_name, endpoint_of(out.request_id)).inc()
             if m is not None:
                 self.e2e_request_latency.observe((m.finished_time or now) - m.arrival_time)
             log_finished_request(out, now)
@@ -195,6 +201,10 @@ class EngineStats(ServingObserver):
     def _start_interval(self, now: float) -> None:
         self._interval_start = now
         self._interval_prompt_tokens = self._interval_generation_tokens = 0
+
+
+def endpoint_of(request_id: str) -> str:
+    return ENDPOINTS.get(request_id.split("-", 1)[0], "other")
 
 
 def log_finished_request(out: RequestOutput, now: float) -> None:

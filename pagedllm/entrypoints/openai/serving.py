@@ -285,6 +285,11 @@ def sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
+def sse_event(name: str, model: BaseModel) -> str:
+    """A named event, as the Responses and Messages APIs send them (their clients read the name or the type)."""
+    return f"event: {name}\ndata: {model.model_dump_json()}\n\n"
+
+
 def sse_error(exc: Exception) -> str:
     """A failure after the stream began: an error event (the openai client raises it), then [DONE]."""
     return sse(ErrorResponse(error=to_api_error(exc).info))
@@ -325,10 +330,11 @@ async def choice_deltas(streams: list[RequestStream], sent: list[ChoiceProgress]
 
 async def stream_events(streams: list[RequestStream], num_choices: int, logprobs: bool,
                         event: Callable[[ChoiceDelta], str | None], last: Callable[[int], str | None],
-                        first: Iterable[str] = ()) -> AsyncIterator[str]:
-    """The streaming loop of chat and completions: the `first` events, then one `event` per choice delta (None:
-    nothing to send), then `last(completion tokens)` (the usage, if asked for); a failure as an error event; always
-    [DONE]; the requests aborted however it ends."""
+                        first: Iterable[str] = (), error: Callable[[Exception], str] = sse_error,
+                        done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
+    """The streaming loop of every generating endpoint: the `first` events, then one `event` per choice delta (None:
+    nothing to send), then `last(completion tokens)` (the usage, if asked for); a failure as an `error` event; always
+    `done` (OpenAI's [DONE]; None for APIs without one); the requests aborted however it ends."""
     sent = [ChoiceProgress() for _ in range(num_choices)]
     try:
         for chunk in first:
@@ -341,7 +347,8 @@ async def stream_events(streams: list[RequestStream], num_choices: int, logprobs
         if chunk is not None:
             yield chunk
     except Exception as e:
-        yield sse_error(e)
+        yield error(e)
     finally:
         cancel_all(streams)
-    yield "data: [DONE]\n\n"
+    if done is not None:
+        yield done
