@@ -9,12 +9,13 @@ import pytest
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.protocol import EngineClient, EngineDeadError, QueueFullError
+from pagedllm.engine.protocol import EngineClient, EngineDeadError, QueueFullError, TooManySequencesError
 from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
 from pagedllm.entrypoints.serve import add_serve_command
 
 # what each client must write itself (the protocol's own bodies are stubs); check_admission and generate are shared
-OWN = ["start", "shutdown", "is_alive", "num_waiting", "check_alive", "replica_health", "tokenize_prompt",
+OWN = ["start", "shutdown", "is_alive", "num_waiting", "num_waiting_seqs", "check_alive", "replica_health",
+       "tokenize_prompt",
        "compile_grammar", "add_request", "abort"]
 
 
@@ -34,6 +35,10 @@ class Client(EngineClient):
     def num_waiting(self) -> int:
         return self.waiting
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        return self.waiting
+
     def check_alive(self) -> None:
         if not self.alive:
             raise EngineDeadError("down")
@@ -41,8 +46,12 @@ class Client(EngineClient):
 
 def test_admission_refuses_a_dead_engine_then_a_full_queue() -> None:
     Client(True, 1).check_admission()
-    with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+    with pytest.raises(QueueFullError, match="2 sequences are already waiting and this request adds 1"):
         Client(True, 2).check_admission()
+    with pytest.raises(QueueFullError, match="1 sequences are already waiting and this request adds 2"):
+        Client(True, 1).check_admission(2)
+    with pytest.raises(TooManySequencesError, match="asks for 3 sequences"):
+        Client(True, 0).check_admission(3)
     with pytest.raises(EngineDeadError, match="down"):
         Client(False, 0).check_admission()
 
