@@ -151,7 +151,7 @@ class EngineConfig:
     quantization: str = "auto"
     # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
     # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
-    # docs/performance.md); auto: the model's dtype
+    # docs/performance-log.md); auto: the model's dtype
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
@@ -185,7 +185,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
-                             "default model (2.8x bf16's logprob error, docs/performance.md); use int8")
+                             "default model (2.8x bf16's logprob error, docs/performance-log.md); use int8")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -2,7 +2,7 @@
 
 Where few sequences run, a decode step is bound by reading the weights, so verifying k proposed tokens costs little
 more than computing one; greedy outputs, and prompts that quote themselves, repeat, so many proposals hold
-(docs/performance.md). No draft model: the proposer is a dict per sequence, updated as its tokens grow.
+(docs/performance-log.md). No draft model: the proposer is a dict per sequence, updated as its tokens grow.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def build_serving_engine(config: EngineConfig) -> LLMEngine:
 
     Blocks are handed out in the pool's order and freed ones queue behind it (the prefix cache keeps them longest),
     so a server's traffic walks the whole pool within minutes; each page's first touch (~2 s per GiB on this
-    project's VMs) then came out of the model's two cores (a fresh server ran 4-6% slower, docs/performance.md).
+    project's VMs) then came out of the model's two cores (a fresh server ran 4-6% slower, docs/performance-log.md).
     vLLM and llama.cpp zero their caches at start-up for the same effect."""
     from pagedllm.engine.llm_engine import LLMEngine
 

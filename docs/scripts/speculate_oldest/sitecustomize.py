@@ -2,7 +2,7 @@
 most output tokens still speculate (a workload's longest requests set its end; at a big batch K of them cost a few
 rows). Loaded by Python at start-up when this folder is first on PYTHONPATH, e.g. against the plain engine:
     SPECULATE_OLDEST=4 docs/scripts/serve_ab.sh W 2 64 /work/main /work/main/docs/scripts/speculate_oldest:/work/main
-(serve_ab.sh passes the environment on; SPECULATE_OLDEST defaults to 4). Measured and dropped: docs/performance.md.
+(serve_ab.sh passes the environment on; SPECULATE_OLDEST defaults to 4). Measured and dropped: docs/performance-log.md.
 """
 
 import os

@@ -14,15 +14,12 @@ from pydantic import ValidationError
 from pagedllm.engine.protocol import RequestStream
 from pagedllm.entrypoints.openai.errors import validation_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.response_format import tool_names
 from pagedllm.entrypoints.openai.serving import (
     ChoiceDelta,
     ServerContext,
     collect_unless_disconnected,
-    sampling_params,
-    submit,
 )
-from pagedllm.entrypoints.openai.serving_chat import chat_message, render_chat
+from pagedllm.entrypoints.openai.serving_chat import chat_message, submit_chat
 from pagedllm.entrypoints.openai.tool_calls import ToolCall, ToolCallStream
 from pagedllm.outputs import CompletionOutput
 
@@ -49,15 +46,8 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: str) -> ChatRun:
     """Render, tokenize, check and submit one choice of `req`, exactly as /v1/chat/completions does."""
-    model = ctx.check_model(req.model)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, ctx.max_tokens(max_tokens), None)
-    tools = tool_names(req)
-    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
-    prompt = await ctx.tokenize(await render_chat(ctx, req.messages, True, tool_dicts), "messages")
-    ctx.check_fits(len(prompt), max_tokens)
-    request_id, streams = await submit(ctx, id_prefix, [prompt], params, 1)
-    return ChatRun(req, model, prompt, tools, request_id, streams)
+    chat = await submit_chat(ctx, req, id_prefix, None, 1)
+    return ChatRun(req, chat.model, chat.prompt, chat.tools, chat.request_id, chat.streams)
 
 
 async def final_output(raw: Request, run: ChatRun) -> CompletionOutput | Response:

@@ -5,6 +5,7 @@ Hermes-style), n choices, chat logprobs, tool calls parsed out of the text; a JS
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -111,19 +112,39 @@ def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 # ---- the endpoint ----------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
-    ctx = server_of(raw)
+@dataclass
+class SubmittedChat:
+    """A chat request on its way: the model named, the rendered prompt, the offered tools, its streams."""
+
+    model: str
+    prompt: list[int]
+    tools: frozenset[str]
+    request_id: str
+    streams: list[RequestStream]
+
+
+async def submit_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: str, top_n: int | None,
+                      n: int) -> SubmittedChat:
+    """Render, tokenize, check and submit `n` choices of a chat request: every API that speaks in conversations
+    (chat completions, Responses, Messages) comes through here."""
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    top_n = chat_top_logprobs(req)
     params = sampling_params(req, ctx.max_tokens(max_tokens), top_n)
     tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
                                 "messages")
     ctx.check_fits(len(prompt), max_tokens)
-    request_id, streams = await submit(ctx, "chatcmpl", [prompt], params, req.n)
+    request_id, streams = await submit(ctx, id_prefix, [prompt], params, n)
+    return SubmittedChat(model, prompt, tools, request_id, streams)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+    ctx = server_of(raw)
+    top_n = chat_top_logprobs(req)
+    chat = await submit_chat(ctx, req, "chatcmpl", top_n, req.n)
+    model, prompt, tools, request_id, streams = chat.model, chat.prompt, chat.tools, chat.request_id, chat.streams
     events = chat_events(req, request_id, model, prompt, top_n, streams, tools) if req.stream else None
 
     def body(finals: list[CompletionOutput]) -> ChatCompletionResponse:
