@@ -9,6 +9,7 @@ from conftest import write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_backend import load_hf_model
+from pagedllm.model import kernels
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight, PackedWeight
 
 STEPS = 6
@@ -41,6 +42,8 @@ def q4_gguf(tiny_model_dir, tmp_path_factory) -> str:
 def test_which_engines_take_the_4bit_weights(q4_gguf, tiny_model_dir, kwargs, expected):
     if not PackedWeight.available(torch.bfloat16) and kwargs["dtype"] == "bfloat16":
         pytest.skip("no native bf16 matmul on this CPU")
+    if expected and not kernels.load().int4_linear_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: no int4 kernel")
     assert LLM(model=q4_gguf, kv_cache_memory="16MiB", **kwargs).engine.runner.model.num_int4_matmuls == expected
     safetensors = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="bfloat16")
     assert safetensors.engine.runner.model.num_int4_matmuls == 0
@@ -50,8 +53,8 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
     """One request at a time (every step has at most INT4_MAX_ROWS tokens, so every layer matmul is the int4 kernel):
     the logprobs stay as close to transformers' fp32 run of the dequantized weights as transformers' own bf16 run
     does, and every block comes back."""
-    if not PackedWeight.available(torch.bfloat16):
-        pytest.skip("no native bf16 matmul on this CPU")
+    if not PackedWeight.available(torch.bfloat16) or not kernels.load().int4_linear_supported():
+        pytest.skip("no native bf16 matmul or no int4 kernel (AVX512-BF16) on this CPU")
     calls = {"int4": 0}
     mm = Int4Weight.mm
 
@@ -60,6 +63,7 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
         return mm(self, x)
 
     monkeypatch.setattr(Int4Weight, "mm", counting_mm)
+    monkeypatch.setenv("PAGEDLLM_KERNEL", "static")  # the hand-tuned routes: int4 up to INT4_MAX_ROWS, not measured
     fp32, tok, _ = load_hf_model(q4_gguf, torch.float32)
     bf16, _, _ = load_hf_model(q4_gguf, torch.bfloat16)
     llm = LLM(model=q4_gguf, dtype="bfloat16", kv_cache_memory="16MiB")

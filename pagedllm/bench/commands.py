@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench import accuracy, attention, latency, route, serve, sharing, soak, structured, throughput
+from pagedllm.bench import accuracy, attention, kernels, latency, route, serve, sharing, soak, structured, throughput
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured):
+    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, kernels):
         module.add_command(sub)

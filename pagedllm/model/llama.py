@@ -109,9 +109,16 @@ class LlamaModel:
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
         int8 = Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None
-        use_bf16 = int8 is None and kind != "lm_head" and Bf16Weight.available(plain, self.ext)
+        use_bf16 = kind != "lm_head" and Bf16Weight.available(plain, self.ext)
         bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
         return PackedWeight(plain, int4, int8, bf16)
+
+    def packed_weights(self) -> dict[str, list[PackedWeight]]:
+        """Every packed weight by matmul kind (qkv, o, gate_up, down, lm_head): what model/dispatch.py routes."""
+        kinds = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
+        found = {kind: [getattr(layer, attr) for layer in self.layers] for kind, attr in kinds.items()}
+        found["lm_head"] = [self.lm_head_weight]
+        return {kind: ws for kind, ws in found.items() if all(isinstance(w, PackedWeight) for w in ws)}
 
     @property
     def num_int4_matmuls(self) -> int:

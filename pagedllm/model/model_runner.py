@@ -14,6 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
+from pagedllm.model import dispatch
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata, LlamaModel
@@ -88,6 +89,7 @@ class ModelRunner:
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
+        dispatch.tune(model.packed_weights(), dtype, loaded.name)  # which kernel runs each matmul, measured here
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
