@@ -172,3 +172,21 @@ def test_the_engine_logs_its_kernels(tiny_model_dir, caplog, tmp_path):
     LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="float32")
     assert "kernels (" in caplog.text and "qkv: " in caplog.text
     assert list((tmp_path / "cache").glob("kernels-*.json"))
+
+
+def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_dir, monkeypatch):
+    """Where `--dtype auto` is fp32 (no fast bf16), the lm_head's int8 form is a candidate, its top candidates
+    rescored in fp32: greedy tokens equal an explicit float32 engine's, which keeps no int8 form at all."""
+    from pagedllm import SamplingParams, config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "int8")
+    auto = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
+    exact = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="float32", threads=1)
+    assert auto.engine.runner.model.lm_head_weight.int8 is not None and not auto.engine.runner.model.exact_logits
+    assert exact.engine.runner.model.lm_head_weight.int8 is None and exact.engine.runner.model.exact_logits
+    prompts = [[1, 2000, 3000], [40000, 5, 6, 7], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours, ref = (llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                 for llm in (auto, exact))
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]

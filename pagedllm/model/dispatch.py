@@ -34,6 +34,7 @@ BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
 
 # One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
 Timer = Callable[[str, str, int, Callable[[], object]], float]
@@ -76,6 +77,21 @@ class KernelTable:
         def legs(route: Route) -> str:
             return ", ".join(p if limit == BIGGEST else f"{p} <={limit}" for limit, p in route)
         return "; ".join(f"{kind}: {legs(self.route(kind))}" for kind in self.times)
+
+
+def pad_rows() -> bool:
+    return os.environ.get(PAD_ENV, "0") == "1"
+
+
+def primitive_cache_capacity(unpadded: int) -> int:
+    """oneDNN's primitive cache size (read at its first primitive): with bounded shapes, room for all of them."""
+    return PADDED_CACHE_CAPACITY if pad_rows() else unpadded
+
+
+def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
+    """`--dtype auto` chose fp32 (no fast bf16 here): the lm_head may run int8 where it is faster, its top candidates
+    rescored in fp32 (llama.py), so greedy tokens stay fp32's; an explicit float32 stays exact."""
+    return dtype_flag == "auto" and dtype == torch.float32
 
 
 def cpu_identity() -> tuple[str, str]:
@@ -205,7 +221,7 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
          timer: Timer = time_call) -> KernelTable | None:
     """Set every weight's route: the cached table for this machine and model, else a fresh measurement (cached);
     PAGEDLLM_KERNEL=static keeps the hand-tuned routes, =PATH forces one. Logs which path each kind's batches take."""
-    PackedWeight.pad_rows = os.environ.get(PAD_ENV, "0") == "1"
+    PackedWeight.pad_rows = pad_rows()
     forced = os.environ.get(FORCE_ENV, "measured")
     if forced not in ("measured", "static", *PATHS):
         raise ValueError(f"{FORCE_ENV} must be measured, static or one of {', '.join(PATHS)}, got {forced!r}")

@@ -113,6 +113,12 @@ class LlamaModel:
         bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
         return PackedWeight(plain, int4, int8, bf16)
 
+    @property
+    def exact_logits(self) -> bool:
+        """fp32 with an fp32 lm_head: no candidate needs rescoring (int8 lm_head steps in fp32 do, as bf16's)."""
+        lm_head = self.lm_head_weight
+        return self.dtype == torch.float32 and not (isinstance(lm_head, PackedWeight) and lm_head.int8 is not None)
+
     def packed_weights(self) -> dict[str, list[PackedWeight]]:
         """Every packed weight by matmul kind (qkv, o, gate_up, down, lm_head): what model/dispatch.py routes."""
         kinds = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
@@ -157,7 +163,7 @@ class LlamaModel:
         """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit
         sizes, enough to tie or swap the top candidates, so the top few are recomputed in fp32 (S x k dot products)."""
         logits = linear(hidden, self.lm_head_weight).float()
-        if self.dtype == torch.float32:
+        if self.exact_logits:
             return logits
         top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices
         return logits.scatter_(1, top, self._exact_logits(hidden, top))
@@ -172,7 +178,7 @@ class LlamaModel:
         if grammar is not None:
             apply_grammar_mask_(logits, grammar)
         values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
-        if self.dtype == torch.float32:
+        if self.exact_logits:
             return values, ids, lse
         exact = self._exact_logits(hidden, ids).masked_fill_(values == float("-inf"), float("-inf"))
         # Swap the candidates' rounded terms in the sum for their exact ones.

@@ -75,12 +75,13 @@ class ModelRunner:
         # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
         # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
         # Read when oneDNN makes its first primitive; re-creating one costs no measurable throughput (performance.md).
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+                              str(dispatch.primitive_cache_capacity(ONEDNN_PRIMITIVE_CACHE_CAPACITY)))
         dtype = getattr(torch, config.torch_dtype_name)
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference"
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
-        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (
-            config.quantization == "auto" and loaded.q4_weights) else ()
+        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
+            loaded.q4_weights or dispatch.auto_fp32(config.dtype, dtype))) else ()
         kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
             loaded.config, config.block_size, kv_dtype)
