@@ -60,6 +60,8 @@ def test_a_route_takes_each_winner_up_to_the_geometric_midpoint():
     assert t.winners("qkv") == ["int4", "bf16_gemm", "onednn", "onednn"]
     assert t.route("qkv") == ((2, "int4"), (8, "bf16_gemm"), (BIGGEST, "onednn"))
     assert t.summary() == "qkv: int4 <=2, bf16_gemm <=8, onednn"
+    tie = table({"qkv": {"int8": [100.0, 100.0], "onednn": [102.0, 110.0]}}, [1, 2])
+    assert tie.winners("qkv") == ["onednn", "int8"]  # within TIE oneDNN keeps it
 
 
 def test_a_row_count_not_timed_keeps_the_last_winner():

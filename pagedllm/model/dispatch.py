@@ -28,8 +28,11 @@ PATHS = ("int4", "bf16_gemm", "onednn", "int8")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
-COLD_WEIGHTS = 4  # small batches are timed over this many layers' weights in turn, as a step reads them: from memory
+# Up to this many rows a call is timed over every layer's weight of its kind in turn, as a step reads them (from
+# memory, not from the cache a repeated call would leave them in: what the small-batch kernels save); beyond, on one.
+COLD_MAX_ROWS = 64
 PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
+TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
 BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
@@ -51,12 +54,14 @@ class KernelTable:
     load: float = 0.0  # the 1-minute load average when measured
 
     def winners(self, kind: str) -> list[str]:
-        """The fastest path at each row count; where none was timed (one path left, or out of budget), the last
-        winner, or oneDNN."""
+        """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
+        budget), the last winner, or oneDNN."""
         won, last = [], "onednn"
         for i in range(len(self.buckets[kind])):
             timed = {p: t[i] for p, t in self.times[kind].items() if t[i] is not None}
-            last = min(timed, key=timed.__getitem__) if timed else last
+            if timed:
+                last = min(timed, key=timed.__getitem__)
+                last = "onednn" if timed.get("onednn", math.inf) <= timed[last] * (1 + TIE) else last
             won.append(last)
         return won
 
@@ -159,7 +164,7 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
             if time.perf_counter() - start > budget_s:
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
             rows = buckets[kind][i]
-            group = weights[kind][:COLD_WEIGHTS if rows <= 64 else 1]
+            group = weights[kind] if rows <= COLD_MAX_ROWS else weights[kind][:1]
             x = torch.randn(rows, group[0].shape[1]).to(dtype)
             runs = {p: functools.partial(_run, group, x, p) for p in alive[kind]}
             samples: dict[str, list[float]] = {p: [] for p in runs}
