@@ -62,6 +62,8 @@ def test_a_route_takes_each_winner_up_to_the_geometric_midpoint():
     assert t.summary() == "qkv: int4 <=2, bf16_gemm <=8, onednn"
     tie = table({"qkv": {"int8": [100.0, 100.0], "onednn": [102.0, 110.0]}}, [1, 2])
     assert tie.winners("qkv") == ["onednn", "int8"]  # within TIE oneDNN keeps it
+    island = table({"lm_head": {"int8": [1, 9, 1, 1], "onednn": [2, 2, 2, 2]}}, [1, 2, 4, 8])
+    assert island.winners("lm_head") == ["int8"] * 4  # one row count alone: noise
 
 
 def test_a_row_count_not_timed_keeps_the_last_winner():

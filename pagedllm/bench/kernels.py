@@ -53,6 +53,9 @@ def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
 def print_table(table: dispatch.KernelTable) -> None:
     for kind, paths in table.times.items():
         won = table.winners(kind)
+        if len(paths) == 1:
+            print(f"\n{kind}: {next(iter(paths))} only (nothing to compare)")
+            continue
         print(f"\n{kind} ({', '.join(paths)})")
         print(f"{'rows':>6} " + " ".join(f"{p:>10}" for p in paths) + f" {'winner':>10}")
         for i, rows in enumerate(table.buckets[kind]):

@@ -55,7 +55,7 @@ class KernelTable:
 
     def winners(self, kind: str) -> list[str]:
         """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
-        budget), the last winner, or oneDNN."""
+        budget), the last winner, or oneDNN. A lone row count between two won by another path goes with them."""
         won, last = [], "onednn"
         for i in range(len(self.buckets[kind])):
             timed = {p: t[i] for p, t in self.times[kind].items() if t[i] is not None}
@@ -63,6 +63,8 @@ class KernelTable:
                 last = min(timed, key=timed.__getitem__)
                 last = "onednn" if timed.get("onednn", math.inf) <= timed[last] * (1 + TIE) else last
             won.append(last)
+        for i in range(1, len(won) - 1):  # one row count alone between two of another path's: noise, not a range
+            won[i] = won[i - 1] if won[i - 1] == won[i + 1] else won[i]
         return won
 
     def route(self, kind: str) -> Route:
