@@ -194,3 +194,17 @@ def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_
     ours, ref = (llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                  for llm in (auto, exact))
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_an_int8_weight_offers_both_products_and_keeps_the_one_routed(ext):
+    """With int_mm, the int8 form has the kernel's product and torch._int_mm's (oneDNN: AMX tiles where there are
+    some): both candidates, and routing keeps only the winner's copy of the weight."""
+    plain = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    w = {"lm_head": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext, int_mm=True))]}
+    assert {"int8_mm", "onednn"} <= w["lm_head"][0].paths()
+    dispatch.apply(table({"lm_head": {"int8": [3.0], "int8_mm": [1.0], "onednn": [5.0]}}, [1]), w)
+    weight = w["lm_head"][0]
+    assert weight.paths() == {"int8_mm", "onednn"} and weight.int8.packed is None
+    x = torch.randn(5, 32)
+    out = linear(x, weight)
+    assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03

@@ -24,7 +24,7 @@ from pagedllm.model.layers import BIGGEST, PackedWeight, Route
 
 logger = logging.getLogger("pagedllm")
 
-PATHS = ("int4", "bf16_gemm", "onednn", "int8")
+PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_gemm.cpp (VNNI); int8_mm: oneDNN's
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts

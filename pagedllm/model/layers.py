@@ -76,8 +76,10 @@ class Int8Weight:
 
     PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
 
-    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0) -> None:
-        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two). outliers: input
+    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0,
+                 int_mm: bool = False) -> None:
+        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two); int_mm=True: both
+        (model/dispatch.py times them: oneDNN's int8 matmul runs on AMX tiles where the CPU has them). outliers: input
         channels per call kept out of the int8 product (see mm); keeps a transposed copy of the weight for them."""
         w = plain.float()
         self.outliers = min(outliers, plain.shape[1])
@@ -90,9 +92,9 @@ class Int8Weight:
         self.q_t: torch.Tensor | None = None  # [in, out] view, for torch._int_mm
         if kernel and self.kernel_available(ext, q.shape[1]):
             self.packed = self.pack(q)
-        else:
+        if self.packed is None or int_mm:
             self.q_t = q.t()
-            self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
+        self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
 
     @staticmethod
     def kernel_available(ext: ModuleType | None, in_features: int) -> bool:
@@ -117,23 +119,28 @@ class Int8Weight:
         u8 = self.packed.view(panels, groups, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(panels * self.PANEL, -1)
         return (u8[:self.out_features] ^ 0x80).view(torch.int8)
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias). With outliers, the input channels largest in this call go through the plain
-        weight and the rest through int8, as LLM.int8() splits them: a few channels of the model's hidden state run
-        10-25x the median, and one int8 scale per row that holds them leaves the others a few steps each."""
+    def forms(self) -> frozenset[str]:
+        """dispatch's path names of the products this weight has: the kernel's and torch._int_mm's."""
+        return frozenset(name for name, form in (("int8", self.packed), ("int8_mm", self.q_t)) if form is not None)
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), by the kernel where there is one (or as `kernel` says). With outliers, the input
+        channels largest in this call go through the plain weight and the rest through int8, as LLM.int8() splits
+        them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale per row that holds
+        them leaves the others a few steps each."""
         split = self.outliers and x.shape[0] > 0
         if split:
             channels = x.abs().amax(dim=0).topk(self.outliers).indices
             big, x = x[:, channels], x.index_fill(1, channels, 0)
-        out = self._int8_mm(x, bias)
+        out = self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel)
         if split:
             out.addmm_(big, self.plain_t[channels])
         return out
 
-    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
         out = x.new_empty(x.shape[0], self.out_features)
-        if self.packed is not None:
+        if kernel:
             self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out)
             return out
         for cols in self.blocks:
@@ -183,8 +190,8 @@ def static_route(paths: frozenset[str]) -> Route:
     route: list[tuple[int, str]] = []
     if "int4" in paths:
         route.append((INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM, "int4"))
-    if "int8" in paths:
-        return (*route, (BIGGEST, "int8"))
+    if paths & {"int8", "int8_mm"}:
+        return (*route, (BIGGEST, "int8" if "int8" in paths else "int8_mm"))
     if bf16:
         route.append((BF16_GEMM_MAX_ROWS, "bf16_gemm"))
     return (*route, (BIGGEST, "onednn"))
@@ -227,14 +234,18 @@ class PackedWeight:
 
     def paths(self) -> frozenset[str]:
         """The forms this weight can run as (dispatch's path names)."""
-        forms = {"int4": self.int4, "int8": self.int8, "bf16_gemm": self.bf16}
-        return frozenset(name for name, form in forms.items() if form is not None) | {"onednn"}
+        forms = {"int4": self.int4, "bf16_gemm": self.bf16}
+        int8 = self.int8.forms() if self.int8 is not None else frozenset()
+        return frozenset(name for name, form in forms.items() if form is not None) | int8 | {"onednn"}
 
     def keep_only(self, paths: frozenset[str]) -> None:
         """Drop the forms no route uses (their memory); oneDNN's packed weight stays, every path's fallback."""
         self.int4 = self.int4 if "int4" in paths else None
-        self.int8 = self.int8 if "int8" in paths else None
         self.bf16 = self.bf16 if "bf16_gemm" in paths else None
+        if self.int8 is not None:
+            self.int8.packed = self.int8.packed if "int8" in paths else None
+            self.int8.q_t = self.int8.q_t if "int8_mm" in paths else None
+            self.int8 = self.int8 if self.int8.forms() else None
 
     def path_for(self, rows: int) -> str:
         return next(path for limit, path in self.route if rows <= limit)
@@ -242,8 +253,8 @@ class PackedWeight:
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias) by the route's path for x's rows, or the path given."""
         path = path or self.path_for(x.shape[0])
-        if path == "int8":
-            return self.int8.mm(x, bias)
+        if path in ("int8", "int8_mm"):
+            return self.int8.mm(x, bias, kernel=path == "int8")
         if path == "onednn":
             return self.onednn_mm(x, bias)
         out = self.int4.mm(x) if path == "int4" else self.bf16.mm(x)

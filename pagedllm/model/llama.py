@@ -108,7 +108,7 @@ class LlamaModel:
 
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
-        int8 = Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None
+        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if kind in self.int8 else None
         use_bf16 = kind != "lm_head" and Bf16Weight.available(plain, self.ext)
         bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
         return PackedWeight(plain, int4, int8, bf16)
