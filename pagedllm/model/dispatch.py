@@ -28,9 +28,10 @@ PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_ge
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
-# Up to this many rows a call is timed over every layer's weight of its kind in turn, as a step reads them (from
-# memory, not from the cache a repeated call would leave them in: what the small-batch kernels save); beyond, on one.
-COLD_MAX_ROWS = 64
+# Up to COLD_MAX_ROWS rows (where reading the weight is most of a call) a call is timed over COLD_WEIGHTS layers'
+# weights of its kind in turn, as a step reads them, not from the cache a repeated call leaves one in; beyond, on one.
+COLD_MAX_ROWS = 16
+COLD_WEIGHTS = 8
 PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
 BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
@@ -166,7 +167,7 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
             if time.perf_counter() - start > budget_s:
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
             rows = buckets[kind][i]
-            group = weights[kind] if rows <= COLD_MAX_ROWS else weights[kind][:1]
+            group = weights[kind][:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
             x = torch.randn(rows, group[0].shape[1]).to(dtype)
             runs = {p: functools.partial(_run, group, x, p) for p in alive[kind]}
             samples: dict[str, list[float]] = {p: [] for p in runs}
