@@ -79,7 +79,7 @@ def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, mon
     path is over PRUNE x the winner and falling further behind it is not timed again, while oneDNN always is; a kind
     with one path is not timed at all."""
     monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
-    w = weights(ext)
+    w = weights(ext, layers=1)  # the fake's times are per sample: one weight a sample at every row count
     timer = FakeTimer({"int8": 1.0, "onednn": 2.0}, fixed={"int8": 20.0})
     t = dispatch.measure(w, torch.float32, timer)
     assert t.winners("qkv") == ["onednn", "onednn", "int8", "int8"]
@@ -90,6 +90,25 @@ def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, mon
     assert ("qkv", "int8", 8) in slow.calls and ("qkv", "int8", 64) not in slow.calls
     assert ("qkv", "onednn", 64) not in slow.calls  # oneDNN alone: nothing left to compare
     assert t.route("qkv") == ((BIGGEST, "onednn"),)
+
+
+def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatch):
+    """A neighbour's load stalls the samples of one row count: 8 rows slower than 16 makes both be timed again, and
+    the stall does not decide the winner."""
+    monkeypatch.setattr(dispatch, "BUCKETS", (4, 8, 16))
+    stalls = {("qkv", "int8", 8): dispatch.SAMPLES + 1}  # every sample of the first round at 8 rows
+
+    class Stalled(FakeTimer):
+        def __call__(self, kind, path, rows, run):
+            t = super().__call__(kind, path, rows, run)
+            if stalls.get((kind, path, rows), 0) > 0:
+                stalls[kind, path, rows] -= 1
+                return t + 1000.0
+            return t
+    timer = Stalled({"int8": 1.0, "onednn": 2.0})
+    t = dispatch.measure(weights(ext, layers=1), torch.float32, timer)
+    assert t.winners("qkv") == ["int8"] * 3
+    assert timer.calls["qkv", "int8", 8] == 2 * (dispatch.SAMPLES + 1)
 
 
 def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, tmp_path, caplog):

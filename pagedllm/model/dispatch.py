@@ -156,7 +156,9 @@ def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
 def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
             budget_s: float = BUDGET_S) -> KernelTable:
     """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
-    only the biggest; a kind with one path is not timed."""
+    only the biggest; a kind with one path is not timed. A row count whose times do not fit the one before (twice
+    the rows in under 2/3 of the time, or in over 3x: a neighbour's load, not the kernel) is timed again, with the
+    one before, and each keeps its fastest."""
     start = time.perf_counter()
     buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
     times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
@@ -166,18 +168,34 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
         for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
             if time.perf_counter() - start > budget_s:
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
-            rows = buckets[kind][i]
-            group = weights[kind][:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
-            x = torch.randn(rows, group[0].shape[1]).to(dtype)
-            runs = {p: functools.partial(_run, group, x, p) for p in alive[kind]}
-            samples: dict[str, list[float]] = {p: [] for p in runs}
-            for _ in range(SAMPLES + 1):
-                for p, run in runs.items():
-                    samples[p].append(timer(kind, p, rows, run))
-            for p, s in samples.items():
-                times[kind][p][i] = min(s[1:]) / len(group)
-            alive[kind] = [p for p in runs if not falling_behind(times[kind], p, i)]
+            time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
+            if i > 0 and not plausible(times[kind], buckets[kind], alive[kind], i):
+                for j in (i - 1, i):
+                    time_bucket(weights[kind], kind, buckets[kind], j, alive[kind], dtype, timer, times[kind])
+            alive[kind] = [p for p in alive[kind] if not falling_behind(times[kind], p, i)]
     return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
+
+
+def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: int, paths: list[str],
+                dtype: torch.dtype, timer: Timer, times: dict[str, list[float | None]]) -> None:
+    """Time `paths` at row count buckets[i], interleaved, one warm-up then SAMPLES; keep each one's fastest."""
+    rows = buckets[i]
+    group = weights[:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
+    x = torch.randn(rows, group[0].shape[1]).to(dtype)
+    runs = {p: functools.partial(_run, group, x, p) for p in paths}
+    samples: dict[str, list[float]] = {p: [] for p in runs}
+    for _ in range(SAMPLES + 1):
+        for p, run in runs.items():
+            samples[p].append(timer(kind, p, rows, run))
+    for p, s in samples.items():
+        best = min(s[1:]) / len(group)
+        times[p][i] = best if times[p][i] is None else min(times[p][i], best)
+
+
+def plausible(times: dict[str, list[float | None]], buckets: list[int], paths: list[str], i: int) -> bool:
+    """More rows never take much less time, nor more than 1.5x in proportion."""
+    grow = buckets[i] / buckets[i - 1]
+    return all(times[p][i - 1] is None or 2 / 3 <= times[p][i] / times[p][i - 1] <= 1.5 * grow for p in paths)
 
 
 def falling_behind(times: dict[str, list[float | None]], path: str, i: int) -> bool:
