@@ -34,7 +34,7 @@ def build_untuned(config: EngineConfig) -> tuple[dict[str, list[PackedWeight]], 
 
 
 def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
-    """Seconds per oneDNN matmul of `shape` in fp32 and in bf16 at DTYPE_ROWS rows (the fastest of 3)."""
+    """Seconds per oneDNN matmul of `shape` in fp32 and in bf16 at DTYPE_ROWS rows (the fastest of 8)."""
     g = torch.Generator().manual_seed(0)
     plain = torch.randn(shape, generator=g) * 0.05
     out: dict[str, list[float]] = {}
@@ -45,7 +45,7 @@ def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
         times = []
         for rows in DTYPE_ROWS:
             run = functools.partial(weight.mm, torch.randn(rows, shape[1], generator=g).to(dtype), path="onednn")
-            times.append(min(dispatch.time_call("dtype", "onednn", rows, run) for _ in range(4)))
+            times.append(min(dispatch.time_call("dtype", "onednn", rows, run) for _ in range(8)))
         out[str(dtype).removeprefix("torch.")] = times
     return out
 
