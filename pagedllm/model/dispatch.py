@@ -28,9 +28,10 @@ PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_ge
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
-# Up to COLD_MAX_ROWS rows (where reading the weight is most of a call) a call is timed over COLD_WEIGHTS layers'
-# weights of its kind in turn, as a step reads them, not from the cache a repeated call leaves one in; beyond, on one.
-COLD_MAX_ROWS = 16
+# Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, as a step reads
+# them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over oneDNN at 64 rows was in
+# those first reads, docs/scripts/linear_cold_weights.py); beyond, where the arithmetic dominates, on one.
+COLD_MAX_ROWS = 256
 COLD_WEIGHTS = 8
 PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
