@@ -73,9 +73,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if table is None:
         print(f"{dispatch.FORCE_ENV} is set: nothing measured")
         return 1
+    kept = (f"cached at {dispatch.cache_file(table.key)}" if dispatch.cacheable(table)
+            else "not cached: the machine was busy")
     print(f"{name}, {dtype}, {torch.get_num_threads()} threads, {dispatch.cpu_identity()[0]}, load "
-          f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s "
-          f"(cached at {dispatch.cache_file(table.key)}); times per call, the fastest of {dispatch.SAMPLES}")
+          f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s ({kept}); times per call, the fastest "
+          f"of {dispatch.SAMPLES}")
     print_table(table)
     biggest = max((ws[0].shape for kind, ws in weights.items() if kind != "lm_head"), key=lambda s: s[0] * s[1])
     dtypes = dtype_times(biggest)

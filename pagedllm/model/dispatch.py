@@ -143,6 +143,10 @@ def machine_load() -> float:
         return 0.0
 
 
+def cacheable(table: KernelTable) -> bool:
+    return table.load <= (os.cpu_count() or 1)
+
+
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
@@ -266,7 +270,7 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
             table = measure(weights, dtype, timer)
         table.key, table.load = key, machine_load()
         how = f"measured in {table.seconds:.1f} s, cached at {file}"
-        if table.load > (os.cpu_count() or 1):
+        if not cacheable(table):
             how = f"measured in {table.seconds:.1f} s at load {table.load:.1f}, not cached: measured again next start"
         else:
             save(file, table)
