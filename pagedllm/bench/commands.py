@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench import accuracy, attention, fairness, latency, route, serve, sharing, soak, structured, throughput
+from pagedllm.bench import (
+    accuracy,
+    attention,
+    fairness,
+    kernels,
+    latency,
+    route,
+    serve,
+    sharing,
+    soak,
+    structured,
+    throughput,
+)
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness):
+    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness,
+                   kernels):
         module.add_command(sub)

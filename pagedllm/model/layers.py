@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagedllm.model import kernels
 
+# The static route's cut-offs (static_route), where the measured one (model/dispatch.py) is not set.
 # Up to this many rows, a layer with 4-bit weights runs the int4 kernel instead of a bf16 matmul: a small batch is
 # bound by reading the weights, and 4-bit weights are a third of bf16's bytes. From ~12 rows bf16_gemm (below) is as
 # fast, and faster beyond (docs/performance.md: docs/scripts/int4_kernels.py).
@@ -75,8 +76,10 @@ class Int8Weight:
 
     PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
 
-    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0) -> None:
-        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two). outliers: input
+    def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0,
+                 int_mm: bool = False) -> None:
+        """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two); int_mm=True: both
+        (model/dispatch.py times them: oneDNN's int8 matmul runs on AMX tiles where the CPU has them). outliers: input
         channels per call kept out of the int8 product (see mm); keeps a transposed copy of the weight for them."""
         w = plain.float()
         self.outliers = min(outliers, plain.shape[1])
@@ -89,9 +92,9 @@ class Int8Weight:
         self.q_t: torch.Tensor | None = None  # [in, out] view, for torch._int_mm
         if kernel and self.kernel_available(ext, q.shape[1]):
             self.packed = self.pack(q)
-        else:
+        if self.packed is None or int_mm:
             self.q_t = q.t()
-            self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
+        self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
 
     @staticmethod
     def kernel_available(ext: ModuleType | None, in_features: int) -> bool:
@@ -116,23 +119,28 @@ class Int8Weight:
         u8 = self.packed.view(panels, groups, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(panels * self.PANEL, -1)
         return (u8[:self.out_features] ^ 0x80).view(torch.int8)
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias). With outliers, the input channels largest in this call go through the plain
-        weight and the rest through int8, as LLM.int8() splits them: a few channels of the model's hidden state run
-        10-25x the median, and one int8 scale per row that holds them leaves the others a few steps each."""
+    def forms(self) -> frozenset[str]:
+        """dispatch's path names of the products this weight has: the kernel's and torch._int_mm's."""
+        return frozenset(name for name, form in (("int8", self.packed), ("int8_mm", self.q_t)) if form is not None)
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), by the kernel where there is one (or as `kernel` says). With outliers, the input
+        channels largest in this call go through the plain weight and the rest through int8, as LLM.int8() splits
+        them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale per row that holds
+        them leaves the others a few steps each."""
         split = self.outliers and x.shape[0] > 0
         if split:
             channels = x.abs().amax(dim=0).topk(self.outliers).indices
             big, x = x[:, channels], x.index_fill(1, channels, 0)
-        out = self._int8_mm(x, bias)
+        out = self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel)
         if split:
             out.addmm_(big, self.plain_t[channels])
         return out
 
-    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
         out = x.new_empty(x.shape[0], self.out_features)
-        if self.packed is not None:
+        if kernel:
             self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out)
             return out
         for cols in self.blocks:
@@ -155,11 +163,9 @@ class Bf16Weight:
 
     @classmethod
     def available(cls, plain: torch.Tensor, ext: ModuleType | None) -> bool:
-        """The kernel runs bf16 on AVX512-BF16, over whole panels of output columns and pairs of inputs; not where the
-        CPU has AMX, whose tiles oneDNN's matmul uses (not measured against it: no such machine this session)."""
+        """The kernel runs bf16 on AVX512-BF16, over whole panels of output columns and pairs of inputs."""
         rows, cols = plain.shape
-        return (ext is not None and ext.bf16_gemm_supported() and not kernels.cpu_has_amx()
-                and plain.dtype == torch.bfloat16
+        return (ext is not None and ext.bf16_gemm_supported() and plain.dtype == torch.bfloat16
                 and rows % cls.PANEL == 0 and cols % 2 == 0)
 
     @classmethod
@@ -172,21 +178,52 @@ class Bf16Weight:
         return self.ext.bf16_gemm(x.contiguous(), self.packed)
 
 
+Route = tuple[tuple[int, str], ...]  # (largest row count, path) pairs by rows; the last one takes every batch beyond
+BIGGEST = 1 << 62  # the last leg of a route
+
+
+def static_route(paths: frozenset[str]) -> Route:
+    """The cut-offs tuned by hand on the AMD EPYC kind (the module's constants), for a weight whose measured route
+    (model/dispatch.py) is not set: the 4-bit form for small batches, then int8, else bf16_gemm (not on AMX CPUs, whose
+    tiles oneDNN's matmul uses), then oneDNN."""
+    bf16 = "bf16_gemm" in paths and not kernels.cpu_has_amx()
+    route: list[tuple[int, str]] = []
+    if "int4" in paths:
+        route.append((INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM, "int4"))
+    if paths & {"int8", "int8_mm"}:
+        return (*route, (BIGGEST, "int8" if "int8" in paths else "int8_mm"))
+    if bf16:
+        route.append((BF16_GEMM_MAX_ROWS, "bf16_gemm"))
+    return (*route, (BIGGEST, "onednn"))
+
+
+def padded_rows(rows: int) -> int:
+    """Bounded shapes: a row count rounded up to one of ~8 sizes per doubling (16 + 8 per octave up to the biggest
+    step), so oneDNN's primitive cache holds a primitive for every size a step can have; at most 1/8 more rows."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class PackedWeight:
-    """A linear layer's weight [out, in] packed once into oneDNN's blocked layout. F.linear on a plain weight
-    repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
+    """A linear layer's weight [out, in] packed once into oneDNN's blocked layout, with the other forms it may run
+    as: the checkpoint's 4-bit form (Int4Weight), int8 (Int8Weight) and bf16_gemm's (Bf16Weight). F.linear on a plain
+    weight repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
     (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
-    A checkpoint's 4-bit form, when given, serves batches of up to INT4_MAX_ROWS rows (INT4_MAX_ROWS_WITHOUT_BF16_GEMM
-    without a bf16 form); an int8 form, when given,
-    serves every other batch. A bf16 form (Bf16Weight), when given, serves the other batches of up to
-    BF16_GEMM_MAX_ROWS rows."""
+    `route` says which form serves a batch of a given number of rows: measured on this machine (model/dispatch.py)
+    once the engine sets it, else static_route's hand-tuned cut-offs. `pad_rows`: oneDNN runs on padded_rows rows."""
+
+    pad_rows = False
 
     def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
                  bf16: Bf16Weight | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+        self.shape = tuple(plain.shape)  # [out, in]
         self.int4 = int4
         self.int8 = int8
         self.bf16 = bf16
+        self.route = static_route(self.paths())
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -195,20 +232,48 @@ class PackedWeight:
             return False
         return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
+    def paths(self) -> frozenset[str]:
+        """The forms this weight can run as (dispatch's path names)."""
+        forms = {"int4": self.int4, "bf16_gemm": self.bf16}
+        int8 = self.int8.forms() if self.int8 is not None else frozenset()
+        return frozenset(name for name, form in forms.items() if form is not None) | int8 | {"onednn"}
+
+    def keep_only(self, paths: frozenset[str]) -> None:
+        """Drop the forms no route uses (their memory); oneDNN's packed weight stays, every path's fallback."""
+        self.int4 = self.int4 if "int4" in paths else None
+        self.bf16 = self.bf16 if "bf16_gemm" in paths else None
+        if self.int8 is not None:
+            self.int8.packed = self.int8.packed if "int8" in paths else None
+            self.int8.q_t = self.int8.q_t if "int8_mm" in paths else None
+            self.int8 = self.int8 if self.int8.forms() else None
+
+    def path_for(self, rows: int) -> str:
+        return next(path for limit, path in self.route if rows <= limit)
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) by the route's path for x's rows, or the path given."""
+        path = path or self.path_for(x.shape[0])
+        if path in ("int8", "int8_mm"):
+            return self.int8.mm(x, bias, kernel=path == "int8")
+        if path == "onednn":
+            return self.onednn_mm(x, bias)
+        out = self.int4.mm(x) if path == "int4" else self.bf16.mm(x)
+        return out if bias is None else out.add_(bias)
+
+    def onednn_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = padded_rows(rows) if self.pad_rows else rows
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        xp = x.new_zeros(padded, x.shape[1])
+        xp[:rows] = x
+        return torch.ops.mkldnn._linear_pointwise(xp, self.packed, bias, "none", [], "")[:rows]
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), on the packed weight when there is one."""
     if isinstance(weight, PackedWeight):
-        int4_rows = INT4_MAX_ROWS if weight.bf16 is not None else INT4_MAX_ROWS_WITHOUT_BF16_GEMM
-        if weight.int4 is not None and x.shape[0] <= int4_rows:
-            out = weight.int4.mm(x)
-            return out if bias is None else out.add_(bias)
-        if weight.int8 is not None:
-            return weight.int8.mm(x, bias)
-        if weight.bf16 is not None and x.shape[0] <= BF16_GEMM_MAX_ROWS:
-            out = weight.bf16.mm(x)
-            return out if bias is None else out.add_(bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+        return weight.mm(x, bias)
     return F.linear(x, weight, bias)
 
 

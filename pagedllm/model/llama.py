@@ -128,10 +128,23 @@ class LlamaModel:
 
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
-        int8 = Int8Weight(plain, self.ext, outliers=outliers) if kind in self.int8 else None
-        use_bf16 = int8 is None and kind != "lm_head" and Bf16Weight.available(plain, self.ext)
+        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if kind in self.int8 else None
+        use_bf16 = kind != "lm_head" and Bf16Weight.available(plain, self.ext)
         bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
         return PackedWeight(plain, int4, int8, bf16)
+
+    @property
+    def exact_logits(self) -> bool:
+        """fp32 with an fp32 lm_head: no candidate needs rescoring (int8 lm_head steps in fp32 do, as bf16's)."""
+        lm_head = self.lm_head_weight
+        return self.dtype == torch.float32 and not (isinstance(lm_head, PackedWeight) and lm_head.int8 is not None)
+
+    def packed_weights(self) -> dict[str, list[PackedWeight]]:
+        """Every packed weight by matmul kind (qkv, o, gate_up, down, lm_head): what model/dispatch.py routes."""
+        kinds = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
+        found = {kind: [getattr(layer, attr) for layer in self.layers] for kind, attr in kinds.items()}
+        found["lm_head"] = [self.lm_head_weight]
+        return {kind: ws for kind, ws in found.items() if all(isinstance(w, PackedWeight) for w in ws)}
 
     @property
     def num_int4_matmuls(self) -> int:
@@ -170,7 +183,7 @@ class LlamaModel:
         """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit
         sizes, enough to tie or swap the top candidates, so the top few are recomputed in fp32 (S x k dot products)."""
         logits = linear(hidden, self.lm_head_weight).float()
-        if self.dtype == torch.float32:
+        if self.exact_logits:
             return logits
         top = logits.topk(min(RESCORE_TOP_K, logits.shape[-1]), dim=-1).indices
         return logits.scatter_(1, top, self._exact_logits(hidden, top))
@@ -185,7 +198,7 @@ class LlamaModel:
         if grammar is not None:
             apply_grammar_mask_(logits, grammar)
         values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
-        if self.dtype == torch.float32:
+        if self.exact_logits:
             return values, ids, lse
         exact = self._exact_logits(hidden, ids).masked_fill_(values == float("-inf"), float("-inf"))
         # Swap the candidates' rounded terms in the sum for their exact ones.

@@ -14,6 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
+from pagedllm.model import dispatch
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata
@@ -84,12 +85,13 @@ class ModelRunner:
         # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
         # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
         # Read when oneDNN makes its first primitive; re-creating one costs no measurable throughput (performance.md).
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+                              str(dispatch.primitive_cache_capacity(ONEDNN_PRIMITIVE_CACHE_CAPACITY)))
         dtype = getattr(torch, config.torch_dtype_name)
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference"
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
-        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (
-            config.quantization == "auto" and loaded.q4_weights) else ()
+        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
+            loaded.q4_weights or dispatch.auto_fp32(config.dtype, dtype))) else ()
         kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
             loaded.config, config.block_size, kv_dtype)
@@ -99,6 +101,7 @@ class ModelRunner:
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
+        dispatch.tune(model.packed_weights(), dtype, loaded.name)  # which kernel runs each matmul, measured here
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,

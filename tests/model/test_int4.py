@@ -67,6 +67,7 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
         return mm(self, x)
 
     monkeypatch.setattr(Int4Weight, "mm", counting_mm)
+    monkeypatch.setenv("PAGEDLLM_KERNEL", "static")  # the hand-tuned routes: int4 up to INT4_MAX_ROWS, not measured
     fp32, tok, _ = load_hf_model(q4_gguf, torch.float32)
     bf16, _, _ = load_hf_model(q4_gguf, torch.bfloat16)
     llm = LLM(model=q4_gguf, dtype="bfloat16", kv_cache_memory="16MiB")

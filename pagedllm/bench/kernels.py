@@ -1,0 +1,99 @@
+"""`pagedllm bench kernels`: the measured kernel choice (model/dispatch.py) made afresh on this machine and printed,
+each matmul kind's paths x row counts with their times and the winner, and the table it caches for the engine.
+Beside it, oneDNN's fp32 and bf16 matmuls on the model's biggest layer shape: what `--dtype auto` rests on."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.model import dispatch
+from pagedllm.model.layers import PackedWeight
+from pagedllm.model.model_runner import ModelRunner
+
+DTYPE_ROWS = (1, 64, 256)
+
+
+def build_untuned(config: EngineConfig) -> tuple[dict[str, list[PackedWeight]], torch.dtype, str]:
+    """The engine's own model, with every form its flags allow still there (the engine drops the ones it routes
+    nowhere): built with the dispatch held at the static routes."""
+    previous = os.environ.get(dispatch.FORCE_ENV)
+    os.environ[dispatch.FORCE_ENV] = "static"
+    try:
+        runner, _, name = ModelRunner.from_config(config)
+    finally:
+        os.environ.pop(dispatch.FORCE_ENV) if previous is None else os.environ.update({dispatch.FORCE_ENV: previous})
+    return runner.model.packed_weights(), runner.model.dtype, name
+
+
+def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
+    """Seconds per oneDNN matmul of `shape` in fp32 and in bf16 at DTYPE_ROWS rows (the fastest of 8)."""
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(shape, generator=g) * 0.05
+    out: dict[str, list[float]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        if not PackedWeight.available(dtype):
+            continue
+        weight = PackedWeight(plain.to(dtype))
+        times = []
+        for rows in DTYPE_ROWS:
+            run = functools.partial(weight.mm, torch.randn(rows, shape[1], generator=g).to(dtype), path="onednn")
+            times.append(min(dispatch.time_call("dtype", "onednn", rows, run) for _ in range(8)))
+        out[str(dtype).removeprefix("torch.")] = times
+    return out
+
+
+def print_table(table: dispatch.KernelTable) -> None:
+    for kind, paths in table.times.items():
+        won = table.winners(kind)
+        if len(paths) == 1:
+            print(f"\n{kind}: {next(iter(paths))} only (nothing to compare)")
+            continue
+        print(f"\n{kind} ({', '.join(paths)})")
+        print(f"{'rows':>6} " + " ".join(f"{p:>10}" for p in paths) + f" {'winner':>10}")
+        for i, rows in enumerate(table.buckets[kind]):
+            cells = " ".join(f"{'-' if t[i] is None else f'{t[i] * 1e6:.0f} us':>10}" for t in paths.values())
+            print(f"{rows:>6} {cells} {won[i]:>10}")
+    print(f"\nroutes: {table.summary()}")
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_cli_args(args)
+    torch.set_num_threads(config.num_threads)
+    weights, dtype, name = build_untuned(config)
+    start = time.perf_counter()
+    table = dispatch.tune(weights, dtype, name, refresh=True)
+    if table is None:
+        print(f"{dispatch.FORCE_ENV} is set: nothing measured")
+        return 1
+    kept = (f"cached at {dispatch.cache_file(table.key)}" if dispatch.cacheable(table)
+            else "not cached: the machine was busy")
+    print(f"{name}, {dtype}, {torch.get_num_threads()} threads, {dispatch.cpu_identity()[0]}, load "
+          f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s ({kept}); times per call, the fastest "
+          f"of {dispatch.SAMPLES}")
+    print_table(table)
+    biggest = max((ws[0].shape for kind, ws in weights.items() if kind != "lm_head"), key=lambda s: s[0] * s[1])
+    dtypes = dtype_times(biggest)
+    print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {config.torch_dtype_name})")
+    for i, rows in enumerate(DTYPE_ROWS):
+        print(f"{rows:>6} " + " ".join(f"{d}={t[i] * 1e6:.0f} us" for d, t in dtypes.items()))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"table": table.__dict__, "dtype_rows": DTYPE_ROWS, "dtype_times": dtypes,
+                       "machine": f"{platform.machine()} {os.cpu_count()} cpus"}, f, indent=1)
+    return 0
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    kc = sub.add_parser("kernels", help="time each matmul path on the model's shapes at a few row counts here, "
+                                        "print the winners and cache them for the engine")
+    kc.add_argument("--output-json", default=None)
+    EngineConfig.add_cli_args(kc)
+    kc.set_defaults(func=cmd_kernels, kv_cache_memory="64MiB")

@@ -1,0 +1,279 @@
+"""Which kernel runs each matmul, measured where the engine runs (issue 27). Cut-offs tuned by hand on one CPU kind
+were wrong on the next, so at the first start on a machine the engine times every form a weight has (the file's
+4-bit weights, bf16_gemm, oneDNN's packed matmul, int8 where the flags allow it) on the model's own shapes at a few
+row counts, keeps the fastest per row count, and caches the table in the user's cache directory; later starts read it.
+PAGEDLLM_KERNEL forces a path (or `static`, the hand-tuned cut-offs) for experiments."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedllm.model.layers import BIGGEST, PackedWeight, Route
+
+logger = logging.getLogger("pagedllm")
+
+PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_gemm.cpp (VNNI); int8_mm: oneDNN's
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
+LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
+SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
+# Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, as a step reads
+# them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over oneDNN at 64 rows was in
+# those first reads, docs/scripts/linear_cold_weights.py); beyond, where the arithmetic dominates, on one.
+COLD_MAX_ROWS = 256
+COLD_WEIGHTS = 8
+PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
+TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
+BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
+FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
+PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
+CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
+
+# One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
+Timer = Callable[[str, str, int, Callable[[], object]], float]
+
+
+@dataclass
+class KernelTable:
+    """Seconds per call of each path at each row count, per matmul kind; None where a path was not timed."""
+
+    buckets: dict[str, list[int]]
+    times: dict[str, dict[str, list[float | None]]]
+    key: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # spent measuring
+    load: float = 0.0  # the 1-minute load average when measured
+
+    def winners(self, kind: str) -> list[str]:
+        """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
+        budget), the last winner, or oneDNN. A lone row count between two won by another path goes with them."""
+        won, last = [], "onednn"
+        for i in range(len(self.buckets[kind])):
+            timed = {p: t[i] for p, t in self.times[kind].items() if t[i] is not None}
+            if timed:
+                last = min(timed, key=timed.__getitem__)
+                last = "onednn" if timed.get("onednn", math.inf) <= timed[last] * (1 + TIE) else last
+            won.append(last)
+        for i in range(1, len(won) - 1):  # one row count alone between two of another path's: noise, not a range
+            won[i] = won[i - 1] if won[i - 1] == won[i + 1] else won[i]
+        return won
+
+    def route(self, kind: str) -> Route:
+        """The winners as a route: a row count takes its nearest timed one (boundaries at geometric midpoints)."""
+        buckets, won = self.buckets[kind], self.winners(kind)
+        legs: list[tuple[int, str]] = []
+        for i, path in enumerate(won):
+            limit = math.isqrt(buckets[i] * buckets[i + 1]) if i + 1 < len(won) else BIGGEST
+            if legs and legs[-1][1] == path:
+                legs[-1] = (limit, path)
+            else:
+                legs.append((limit, path))
+        return tuple(legs)
+
+    def summary(self) -> str:
+        """One line: which path each kind's batches take, by rows."""
+        def legs(route: Route) -> str:
+            return ", ".join(p if limit == BIGGEST else f"{p} <={limit}" for limit, p in route)
+        return "; ".join(f"{kind}: {legs(self.route(kind))}" for kind in self.times)
+
+
+def pad_rows() -> bool:
+    return os.environ.get(PAD_ENV, "0") == "1"
+
+
+def primitive_cache_capacity(unpadded: int) -> int:
+    """oneDNN's primitive cache size (read at its first primitive): with bounded shapes, room for all of them."""
+    return PADDED_CACHE_CAPACITY if pad_rows() else unpadded
+
+
+def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
+    """`--dtype auto` chose fp32 (no fast bf16 here): the lm_head may run int8 where it is faster, its top candidates
+    rescored in fp32 (llama.py), so greedy tokens stay fp32's; an explicit float32 stays exact."""
+    return dtype_flag == "auto" and dtype == torch.float32
+
+
+def cpu_identity() -> tuple[str, str]:
+    """The CPU's model name and its ISA flags (from /proc/cpuinfo)."""
+    name, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name == platform.processor():
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
+def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str) -> dict[str, str]:
+    """What a table holds for: CPU model, ISA flags, threads, torch, the model and each kind's shape and forms."""
+    cpu, flags = cpu_identity()
+    shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
+              for kind, ws in weights.items()}
+    return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
+            "shapes": json.dumps(shapes, sort_keys=True), "buckets": repr(BUCKETS)}
+
+
+def cache_file(key: dict[str, str]) -> Path:
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"kernels-{digest}.json"
+
+
+def machine_load() -> float:
+    """Other processes on the cores make every timing a time slice's, not the kernel's: such a table is not kept."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def cacheable(table: KernelTable) -> bool:
+    return table.load <= (os.cpu_count() or 1)
+
+
+def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
+    for w in weights:
+        w.mm(x, path=path)
+
+
+def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
+            budget_s: float = BUDGET_S) -> KernelTable:
+    """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
+    only the biggest; a kind with one path is not timed. A row count whose times do not fit the one before (twice
+    the rows in under 2/3 of the time, or in over 3x: a neighbour's load, not the kernel) is timed again, with the
+    one before, and each keeps its fastest."""
+    start = time.perf_counter()
+    buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
+    times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
+             for kind, ws in weights.items()}
+    alive = {kind: list(paths) for kind, paths in times.items() if len(paths) > 1}
+    for i in range(len(BUCKETS)):
+        for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
+            if time.perf_counter() - start > budget_s:
+                return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
+            time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
+            if i > 0 and not plausible(times[kind], buckets[kind], alive[kind], i):
+                for j in (i - 1, i):
+                    time_bucket(weights[kind], kind, buckets[kind], j, alive[kind], dtype, timer, times[kind])
+            alive[kind] = [p for p in alive[kind] if not falling_behind(times[kind], p, i)]
+    return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
+
+
+def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: int, paths: list[str],
+                dtype: torch.dtype, timer: Timer, times: dict[str, list[float | None]]) -> None:
+    """Time `paths` at row count buckets[i], interleaved, one warm-up then SAMPLES; keep each one's fastest."""
+    rows = buckets[i]
+    group = weights[:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
+    x = torch.randn(rows, group[0].shape[1]).to(dtype)
+    runs = {p: functools.partial(_run, group, x, p) for p in paths}
+    samples: dict[str, list[float]] = {p: [] for p in runs}
+    for _ in range(SAMPLES + 1):
+        for p, run in runs.items():
+            samples[p].append(timer(kind, p, rows, run))
+    for p, s in samples.items():
+        best = min(s[1:]) / len(group)
+        times[p][i] = best if times[p][i] is None else min(times[p][i], best)
+
+
+def plausible(times: dict[str, list[float | None]], buckets: list[int], paths: list[str], i: int) -> bool:
+    """More rows never take much less time, nor more than 1.5x in proportion."""
+    grow = buckets[i] / buckets[i - 1]
+    return all(times[p][i - 1] is None or 2 / 3 <= times[p][i] / times[p][i - 1] <= 1.5 * grow for p in paths)
+
+
+def falling_behind(times: dict[str, list[float | None]], path: str, i: int) -> bool:
+    """Over PRUNE x the winner at row count i and further behind than at the one before: a small-batch kernel past
+    its range (int8's fixed costs shrink with rows instead, so it stays). oneDNN, the fallback, always stays."""
+    def ratio(j: int) -> float:
+        timed = [t[j] for t in times.values() if t[j] is not None]
+        return times[path][j] / min(timed) if times[path][j] is not None else math.inf
+    return path != "onednn" and i > 0 and ratio(i) > PRUNE and ratio(i) > ratio(i - 1)
+
+
+def apply(table: KernelTable, weights: dict[str, list[PackedWeight]]) -> None:
+    """Route every weight by its kind's winners and drop the forms no route takes."""
+    for kind, ws in weights.items():
+        route = table.route(kind)
+        for w in ws:
+            w.route = route
+            w.keep_only(frozenset(p for _, p in route))
+
+
+def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
+    """Every batch of every weight that has `path`'s form takes it; the others keep their static route."""
+    for ws in weights.values():
+        for w in ws:
+            if path in w.paths():
+                w.route = ((BIGGEST, path),)
+
+
+def load(path: Path, key: dict[str, str]) -> KernelTable | None:
+    try:
+        table = KernelTable(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return table if table.key == key else None
+
+
+def save(path: Path, table: KernelTable) -> None:
+    """Written whole or not at all (another process may be reading or writing it too)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(table), indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the kernel table at %s: %s", path, e)
+
+
+def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str, refresh: bool = False,
+         timer: Timer = time_call) -> KernelTable | None:
+    """Set every weight's route: the cached table for this machine and model, else a fresh measurement (cached);
+    PAGEDLLM_KERNEL=static keeps the hand-tuned routes, =PATH forces one. Logs which path each kind's batches take."""
+    PackedWeight.pad_rows = pad_rows()
+    forced = os.environ.get(FORCE_ENV, "measured")
+    if forced not in ("measured", "static", *PATHS):
+        raise ValueError(f"{FORCE_ENV} must be measured, static or one of {', '.join(PATHS)}, got {forced!r}")
+    if forced != "measured" or not weights:
+        if forced in PATHS:
+            force(forced, weights)
+        logger.info("kernels: %s=%s, not measured", FORCE_ENV, forced)
+        return None
+    key = table_key(weights, dtype, model_name)
+    file = cache_file(key)
+    table = None if refresh else load(file, key)
+    how = f"read from {file}"
+    if table is None:
+        with torch.inference_mode():
+            table = measure(weights, dtype, timer)
+        table.key, table.load = key, machine_load()
+        how = f"measured in {table.seconds:.1f} s, cached at {file}"
+        if not cacheable(table):
+            how = f"measured in {table.seconds:.1f} s at load {table.load:.1f}, not cached: measured again next start"
+        else:
+            save(file, table)
+    apply(table, weights)
+    logger.info("kernels (%s): %s", how, table.summary())
+    return table

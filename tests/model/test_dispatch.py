@@ -1,0 +1,229 @@
+"""The measured kernel choice (model/dispatch.py), driven by fake timings: which path wins each row count, how a
+route reads the winners, what is cached and reused, what PAGEDLLM_KERNEL forces, and bounded shapes. No timing
+assertions: the timer is a function of (kind, path, rows) the test writes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.model import dispatch, kernels
+from pagedllm.model.layers import BIGGEST, Int8Weight, PackedWeight, linear, padded_rows, static_route
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own cache folder, nothing forced, an idle machine."""
+    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
+    monkeypatch.delenv(dispatch.PAD_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
+    yield
+    PackedWeight.pad_rows = False
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return kernels.load() or pytest.skip(f"kernels did not build: {kernels.build_error()}")
+
+
+class FakeTimer:
+    """Seconds per call from a table of per-row costs; counts the calls per (kind, path, rows)."""
+
+    def __init__(self, per_row: dict[str, float], fixed: dict[str, float] | None = None) -> None:
+        self.per_row, self.fixed = per_row, fixed or {}
+        self.calls: dict[tuple[str, str, int], int] = {}
+
+    def __call__(self, kind: str, path: str, rows: int, run) -> float:
+        self.calls[kind, path, rows] = self.calls.get((kind, path, rows), 0) + 1
+        return self.fixed.get(path, 0.0) + self.per_row[path] * rows
+
+
+PLAIN = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.1
+
+
+def weights(ext=None, layers: int = 2) -> dict[str, list[PackedWeight]]:
+    """Two kinds: qkv with an int8 form when `ext` is given, o with oneDNN's only."""
+    return {"qkv": [PackedWeight(PLAIN, int8=Int8Weight(PLAIN, ext) if ext else None) for _ in range(layers)],
+            "o": [PackedWeight(PLAIN)]}
+
+
+def table(times: dict[str, dict[str, list[float | None]]], buckets: list[int]) -> dispatch.KernelTable:
+    return dispatch.KernelTable({kind: buckets for kind in times}, times)
+
+
+def test_a_route_takes_each_winner_up_to_the_geometric_midpoint():
+    t = table({"qkv": {"int4": [1, 2, 9, 9], "bf16_gemm": [2, 1, 8, 5], "onednn": [3, 3, 7, 4]}}, [1, 4, 16, 64])
+    assert t.winners("qkv") == ["int4", "bf16_gemm", "onednn", "onednn"]
+    assert t.route("qkv") == ((2, "int4"), (8, "bf16_gemm"), (BIGGEST, "onednn"))
+    assert t.summary() == "qkv: int4 <=2, bf16_gemm <=8, onednn"
+    tie = table({"qkv": {"int8": [100.0, 100.0], "onednn": [102.0, 110.0]}}, [1, 2])
+    assert tie.winners("qkv") == ["onednn", "int8"]  # within TIE oneDNN keeps it
+    island = table({"lm_head": {"int8": [1, 9, 1, 1], "onednn": [2, 2, 2, 2]}}, [1, 2, 4, 8])
+    assert island.winners("lm_head") == ["int8"] * 4  # one row count alone: noise
+
+
+def test_a_row_count_not_timed_keeps_the_last_winner():
+    """Out of budget, or every other path pruned: the last timed winner serves the bigger batches."""
+    t = table({"qkv": {"int8": [1, 1, None], "onednn": [2, 2, None]}, "o": {"onednn": [None, None, None]}},
+              [1, 2, 4])
+    assert t.route("qkv") == ((BIGGEST, "int8"),)
+    assert t.route("o") == ((BIGGEST, "onednn"),)
+
+
+def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
+    """int8 costs a fixed overhead (wins nothing at 1 row) and less per row: timed on, it wins the big batches. Once a
+    path is over PRUNE x the winner and falling further behind it is not timed again, while oneDNN always is; a kind
+    with one path is not timed at all."""
+    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
+    w = weights(ext, layers=1)  # the fake's times are per sample: one weight a sample at every row count
+    timer = FakeTimer({"int8": 1.0, "onednn": 2.0}, fixed={"int8": 20.0})
+    t = dispatch.measure(w, torch.float32, timer)
+    assert t.winners("qkv") == ["onednn", "onednn", "int8", "int8"]
+    assert not any(kind == "o" for kind, _, _ in timer.calls)
+    assert set(timer.calls.values()) == {dispatch.SAMPLES + 1}  # one warm-up, then the timed samples
+    slow = FakeTimer({"int8": 10.0, "onednn": 1.0}, fixed={"int8": -5.0})  # 5x behind at 1 row, 9.4x at 8
+    t = dispatch.measure(w, torch.float32, slow)
+    assert ("qkv", "int8", 8) in slow.calls and ("qkv", "int8", 64) not in slow.calls
+    assert ("qkv", "onednn", 64) not in slow.calls  # oneDNN alone: nothing left to compare
+    assert t.route("qkv") == ((BIGGEST, "onednn"),)
+
+
+def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatch):
+    """A neighbour's load stalls the samples of one row count: 8 rows slower than 16 makes both be timed again, and
+    the stall does not decide the winner."""
+    monkeypatch.setattr(dispatch, "BUCKETS", (4, 8, 16))
+    stalls = {("qkv", "int8", 8): dispatch.SAMPLES + 1}  # every sample of the first round at 8 rows
+
+    class Stalled(FakeTimer):
+        def __call__(self, kind, path, rows, run):
+            t = super().__call__(kind, path, rows, run)
+            if stalls.get((kind, path, rows), 0) > 0:
+                stalls[kind, path, rows] -= 1
+                return t + 1000.0
+            return t
+    timer = Stalled({"int8": 1.0, "onednn": 2.0})
+    t = dispatch.measure(weights(ext, layers=1), torch.float32, timer)
+    assert t.winners("qkv") == ["int8"] * 3
+    assert timer.calls["qkv", "int8", 8] == 2 * (dispatch.SAMPLES + 1)
+
+
+def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, tmp_path, caplog):
+    timer = FakeTimer({"int8": 1.0, "onednn": 2.0})
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    w = weights(ext)
+    first = dispatch.tune(w, torch.float32, "tiny", timer=timer)
+    assert first is not None and timer.calls and "measured" in caplog.text
+    assert all(x.route == ((BIGGEST, "int8"),) for x in w["qkv"])
+    files = list((tmp_path / "cache").glob("kernels-*.json"))
+    assert len(files) == 1
+    timer.calls.clear()
+    w2 = weights(ext)
+    again = dispatch.tune(w2, torch.float32, "tiny", timer=timer)
+    assert not timer.calls and again.times == first.times and "read from" in caplog.text
+    assert all(x.route == ((BIGGEST, "int8"),) for x in w2["qkv"])
+    # another thread count, or another model, is another table
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
+    assert timer.calls and len(list((tmp_path / "cache").glob("kernels-*.json"))) == 2
+
+
+def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_path):
+    monkeypatch.setattr(dispatch, "machine_load", lambda: 64.0)
+    dispatch.tune(weights(ext), torch.float32, "tiny",
+                  timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
+    assert not list((tmp_path / "cache").glob("kernels-*.json"))
+
+
+def test_routing_drops_the_forms_no_route_takes_and_linear_follows_the_route(ext):
+    g = torch.Generator().manual_seed(1)
+    plain = torch.randn(64, 32, generator=g)
+    w = {"qkv": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext))]}  # the int8 form answers twice as big
+    x = torch.randn(3, 32, generator=g)
+    dispatch.apply(table({"qkv": {"int8": [5.0], "onednn": [1.0]}}, [1]), w)
+    weight = w["qkv"][0]
+    assert weight.int8 is None and weight.paths() == {"onednn"}
+    torch.testing.assert_close(linear(x, weight), x @ plain.T)
+    w = {"qkv": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext))]}
+    dispatch.apply(table({"qkv": {"int8": [1.0], "onednn": [5.0]}}, [1]), w)
+    out = linear(x, w["qkv"][0])
+    assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03
+
+
+@pytest.mark.parametrize("forced", ["onednn", "int8", "static"])
+def test_the_environment_forces_a_path(ext, monkeypatch, tmp_path, forced):
+    monkeypatch.setenv(dispatch.FORCE_ENV, forced)
+    timer = FakeTimer({"int8": 1.0, "onednn": 2.0})
+    w = weights(ext)
+    assert dispatch.tune(w, torch.float32, "tiny", timer=timer) is None
+    assert not timer.calls and not list((tmp_path / "cache").glob("*"))
+    expected = static_route(w["qkv"][0].paths()) if forced == "static" else ((BIGGEST, forced),)
+    assert w["qkv"][0].route == expected
+    assert w["o"][0].route == ((BIGGEST, "onednn"),)  # no int8 form: its own route
+
+
+def test_a_bad_forced_path_is_an_error(monkeypatch):
+    monkeypatch.setenv(dispatch.FORCE_ENV, "amx")
+    with pytest.raises(ValueError, match="PAGEDLLM_KERNEL"):
+        dispatch.tune(weights(), torch.float32, "tiny")
+
+
+def test_bounded_shapes_are_few_and_close():
+    """Every row count up to 1,024 pads to one of few sizes, never below it nor more than 1/8 above."""
+    sizes = {padded_rows(r) for r in range(1, 1025)}
+    assert len(sizes) <= 80
+    assert all(r <= padded_rows(r) <= max(r, r * 9 // 8) for r in range(1, 1025))
+    assert padded_rows(16) == 16 and padded_rows(17) == 18 and padded_rows(1000) == 1024
+
+
+def test_padded_rows_give_the_same_product(monkeypatch):
+    monkeypatch.setenv(dispatch.PAD_ENV, "1")
+    w = weights()
+    dispatch.tune(w, torch.float32, "tiny", timer=FakeTimer({"onednn": 1.0}))
+    assert PackedWeight.pad_rows
+    x = torch.randn(37, 32)
+    out = linear(x, w["qkv"][0])
+    assert padded_rows(37) != 37 and out.shape == (37, 64) and out.is_contiguous()
+    torch.testing.assert_close(out, x @ PLAIN.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_logs_its_kernels(tiny_model_dir, caplog, tmp_path):
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="float32")
+    assert "kernels (" in caplog.text and "qkv: " in caplog.text
+    assert list((tmp_path / "cache").glob("kernels-*.json"))
+
+
+def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_dir, monkeypatch):
+    """Where `--dtype auto` is fp32 (no fast bf16), the lm_head's int8 form is a candidate, its top candidates
+    rescored in fp32: greedy tokens equal an explicit float32 engine's, which keeps no int8 form at all."""
+    from pagedllm import SamplingParams, config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "int8")
+    auto = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
+    exact = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="float32", threads=1)
+    assert auto.engine.runner.model.lm_head_weight.int8 is not None and not auto.engine.runner.model.exact_logits
+    assert exact.engine.runner.model.lm_head_weight.int8 is None and exact.engine.runner.model.exact_logits
+    prompts = [[1, 2000, 3000], [40000, 5, 6, 7], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours, ref = (llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                 for llm in (auto, exact))
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_an_int8_weight_offers_both_products_and_keeps_the_one_routed(ext):
+    """With int_mm, the int8 form has the kernel's product and torch._int_mm's (oneDNN: AMX tiles where there are
+    some): both candidates, and routing keeps only the winner's copy of the weight."""
+    plain = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    w = {"lm_head": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext, int_mm=True))]}
+    assert {"int8_mm", "onednn"} <= w["lm_head"][0].paths()
+    dispatch.apply(table({"lm_head": {"int8": [3.0], "int8_mm": [1.0], "onednn": [5.0]}}, [1]), w)
+    weight = w["lm_head"][0]
+    assert weight.paths() == {"int8_mm", "onednn"} and weight.int8.packed is None
+    x = torch.randn(5, 32)
+    out = linear(x, weight)
+    assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03
