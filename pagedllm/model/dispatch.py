@@ -252,7 +252,9 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
          timer: Timer = time_call) -> KernelTable | None:
     """Set every weight's route: the cached table for this machine and model, else a fresh measurement (cached);
     PAGEDLLM_KERNEL=static keeps the hand-tuned routes, =PATH forces one. Logs which path each kind's batches take."""
-    PackedWeight.pad_rows = pad_rows()
+    padded = pad_rows()
+    for weight in (w for kind in weights.values() for w in kind):
+        weight.pad_rows = padded  # each weight's own flag: nothing process-wide is replaced
     forced = os.environ.get(FORCE_ENV, "measured")
     if forced not in ("measured", "static", *PATHS):
         raise ValueError(f"{FORCE_ENV} must be measured, static or one of {', '.join(PATHS)}, got {forced!r}")

@@ -214,10 +214,9 @@ class PackedWeight:
     `route` says which form serves a batch of a given number of rows: measured on this machine (model/dispatch.py)
     once the engine sets it, else static_route's hand-tuned cut-offs. `pad_rows`: oneDNN runs on padded_rows rows."""
 
-    pad_rows = False
-
     def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
                  bf16: Bf16Weight | None = None) -> None:
+        self.pad_rows = False  # set by model/dispatch.py under PAGEDLLM_PAD_ROWS=1
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.shape = tuple(plain.shape)  # [out, in]
         self.int4 = int4
