@@ -2,9 +2,10 @@
 cgroup's CPU quota), less the cores other processes are taking, re-read while the engine runs.
 
 OpenMP splits every matmul evenly across its threads and waits at a barrier for the last one: when another process
-holds one of two cores, the thread that shares it arrives a scheduler slice late at every barrier, and a step took
-~10x as long as it did on one thread (docs/performance.md, "Sharing the CPU"). So the governor counts the CPU time
-others used on our CPUs over the last second (/proc/stat minus our own) and runs one thread fewer per core they hold.
+holds one of two cores, the thread that shares it arrives a scheduler slice late at every barrier, and a step can
+take several times as long as on one thread (docs/performance.md, "When other processes share the CPU"). So the
+governor counts the CPU time others used on our CPUs over the last second (/proc/stat minus our own) and runs one
+thread fewer per core they hold.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from pagedllm.cpus import CpuBudget, cpu_budget
 
 logger = logging.getLogger("pagedllm.model.threads")
 PERIOD_S = 1.0  # how often the governor looks at the CPUs
-# A core counts as taken when others used at least this much of one over the last period: below it, the straggler's
-# waits cost less than the thread's work gives (docs/scripts/cpu_noise.py, measured on the 2-vCPU machines).
-TAKEN_CORE = 0.5
+# A core counts as taken when others used at least this much of one over the last period. Single stream on the
+# 2-vCPU Xeon with half a core busy elsewhere: 2 threads 25.4 tokens/s, 1 thread 40.1 (docs/scripts/thread_governor.sh).
+TAKEN_CORE = 0.25
 
 
 @dataclass(frozen=True)

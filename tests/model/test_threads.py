@@ -51,7 +51,7 @@ def test_a_core_taken_by_another_process_costs_one_thread_and_comes_back() -> No
     assert gov.threads == 2 and calls == [2, 1, 2]
 
 
-@pytest.mark.parametrize(("others", "threads"), [(0.0, 4), (0.3, 4), (0.6, 3), (1.2, 3), (2.5, 1), (3.9, 1)])
+@pytest.mark.parametrize(("others", "threads"), [(0.0, 4), (0.2, 4), (0.3, 3), (1.2, 3), (1.3, 2), (2.5, 1), (3.9, 1)])
 def test_one_thread_fewer_per_core_others_hold(others: float, threads: int) -> None:
     gov, _ = governor(FakeCpu(), usable=4)
     assert gov.threads_for(others) == threads
