@@ -78,14 +78,17 @@ async def send(http: aiohttp.ClientSession, body: dict[str, Any], client: str, t
 
 async def light_client(http: aiohttp.ClientSession, model: str, w: Workload, index: int, t0: float,
                        stop: asyncio.Event, log: list[Sent]) -> None:
-    """Send, wait for the answer, think, repeat until `stop`."""
+    """Send, wait for the answer, think, repeat until `stop`; every client sends at least once (a heavy batch that
+    ends before a staggered start would leave it without a figure)."""
     rng = random.Random(w.seed * 1000 + index + 1)
     name = f"light{index}"
     await asyncio.sleep(w.think_s * index / max(1, w.light_clients))  # staggered starts
-    while not stop.is_set():
+    while True:
         await send(http, payload(model, rng, w.light_input_len, w.light_output_len, name, 0), name, t0, log)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), w.think_s)
+        if stop.is_set():
+            return
 
 
 async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, duration_s: float | None) -> dict:
