@@ -16,7 +16,7 @@ from pagedllm.cpus import cpu_budget
 GIB = 1 << 30
 KV_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 BATCHING_MODES = ("continuous", "static")
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "lpm")
 QUANTIZATION_MODES = ("auto", "none", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 KV_CACHE_DTYPE_CHOICES = KV_CACHE_DTYPES[:-1]  # the flag offers no fp8: it is always refused (validate)
@@ -66,7 +66,8 @@ class SchedulerConfig:
     speculative_disable_by_batch_size: int = 16
     # Who waits (the paged continuous scheduler; core/policies.py): fcfs (arrival; the newest preempted first),
     # priority (a request's `priority`, lower first; lower priorities preempted first) or fair (the Virtual Token
-    # Counter: the client served least goes first); client_weights: each client's share under fair (default 1)
+    # Counter: the client served least goes first) or lpm (longest cached prefix first, within a bounded unfairness
+    # window: core/lpm.py); client_weights: each client's share under fair (default 1)
     scheduling_policy: str = "fcfs"
     client_weights: dict[str, float] | None = None
 
@@ -264,7 +265,9 @@ class EngineConfig:
                             "last one has finished)")
         g.add_argument("--scheduling-policy", default=d["scheduling_policy"].default, choices=SCHEDULING_POLICIES,
                        help="who waits and who is preempted: fcfs (arrival order), priority (the request's priority, "
-                            "lower first) or fair (per client, the API's `user`: the one served least goes first)")
+                            "lower first), fair (per client, the API's `user`: the one served least goes first) or "
+                            "lpm (the longest prefix already in the prefix cache first; a request overtaken 16 times "
+                            "goes first)")
         g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
                        help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
 

@@ -220,7 +220,7 @@ def cmd_fairness(args: argparse.Namespace, actions: Sequence[argparse.Action]) -
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fairness", help="a heavy client and light interactive ones on one server, per scheduling "
                                         "policy: each client's tokens/s and p50/p99 time to first token")
-    p.add_argument("--policies", default=",".join(SCHEDULING_POLICIES), help="comma-separated scheduling policies")
+    p.add_argument("--policies", default="fcfs,priority,fair", help="comma-separated scheduling policies")
     d = Workload()
     g = p.add_argument_group("workload")
     g.add_argument("--heavy-requests", type=int, default=d.heavy_requests, help="sent all at once by the heavy client")

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockManager, blocks_for
+from pagedllm.core.lpm import LongestPrefixScheduler
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.policies import FairScheduler, PriorityScheduler
 from pagedllm.core.scheduler import Scheduler, Writes
@@ -115,7 +116,8 @@ class StaticReservingScheduler(StaticBatching, ReservingScheduler):
     """Static batching with contiguous reservations: the paper's Orca baselines as Orca ran them."""
 
 
-POLICIES: dict[str, type[Scheduler]] = {"fcfs": Scheduler, "priority": PriorityScheduler, "fair": FairScheduler}
+POLICIES: dict[str, type[Scheduler]] = {"fcfs": Scheduler, "priority": PriorityScheduler, "fair": FairScheduler,
+                                        "lpm": LongestPrefixScheduler}
 
 
 def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:

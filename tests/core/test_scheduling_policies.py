@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable, Iterator
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,29 +65,48 @@ def test_random_workload_loses_nothing_and_keeps_order(policy, block_size, num_b
     rng = random.Random(seed)
     sim = policy_sim(policy, num_blocks, block_size, max_num_seqs, budget)
     sim.next_token = lambda seq: rng.randrange(3)
-    submitted, aborted = [], set()
-    for step in range(4000):
-        if step < 60 and rng.random() < 0.4:
-            seq = random_request(rng, step, num_blocks, block_size, max_num_seqs)
-            sim.add(seq)
-            submitted.append(seq.request_id)
-        if sim.live and rng.random() < 0.02:
-            rid = rng.choice(sorted(sim.live))
-            aborted.add(rid)
-            sim.abort(rid)
-        if step >= 60 and not sim.sched.has_unfinished():
-            break
+    workload = RandomWorkload(sim, rng, lambda step: random_request(rng, step, num_blocks, block_size, max_num_seqs))
+    for _ in workload.steps():
         waiting, running = list(sim.sched.waiting), list(sim.sched.running)
         before = {id(g): g.num_preemptions for g in waiting + running}
         displaced = getattr(sim.sched, "num_displacements", 0)
         sim.step()
         if policy is PriorityScheduler:
             check_priority_step(sim.sched, waiting, running, before, displaced)
-    assert not sim.sched.has_unfinished(), "requests were left behind (livelock or lost request)"
-    assert sim.bm.num_free_blocks == num_blocks
-    assert set(sim.finished) | aborted == set(submitted)
-    for rid, group in sim.finished.items():
-        assert all(seq.num_output_tokens == seq.max_tokens for seq in group.seqs), rid
+    workload.check_all_done()
+
+
+class RandomWorkload:
+    """Arrivals for 60 steps (0.4 a step), a 2% chance of an abort at every step, until nothing is left; `steps()`
+    yields before each step, which the caller runs; `check_all_done` then asserts nothing was lost."""
+
+    def __init__(self, sim: Sim, rng: random.Random, make: Callable[[int], Sequence]) -> None:
+        self.sim, self.rng, self.make = sim, rng, make
+        self.submitted: list[str] = []
+        self.aborted: set[str] = set()
+
+    def steps(self) -> Iterator[int]:
+        sim, rng = self.sim, self.rng
+        for step in range(4000):
+            if step < 60 and rng.random() < 0.4:
+                seq = self.make(step)
+                sim.add(seq)
+                self.submitted.append(seq.request_id)
+            if sim.live and rng.random() < 0.02:
+                rid = rng.choice(sorted(sim.live))
+                self.aborted.add(rid)
+                sim.abort(rid)
+            if step >= 60 and not sim.sched.has_unfinished():
+                return
+            yield step
+
+    def check_all_done(self) -> None:
+        sim = self.sim
+        assert not sim.sched.has_unfinished(), "requests were left behind (livelock or lost request)"
+        assert sim.bm.num_free_blocks == sim.bm.num_total_blocks
+        assert set(sim.finished) | self.aborted == set(self.submitted)
+        for rid, group in sim.finished.items():
+            assert all(seq.num_output_tokens == seq.max_tokens for seq in group.seqs), rid
 
 
 def check_priority_step(sched: PriorityScheduler, waiting: list[SequenceGroup], running: list[SequenceGroup],

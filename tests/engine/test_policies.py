@@ -224,7 +224,7 @@ def test_bad_values_raise_and_the_cli_takes_the_flags():
         parser.parse_args(["--kv-policy", "contiguous"])
 
 
-@pytest.mark.parametrize("policy", ["priority", "fair"])
+@pytest.mark.parametrize("policy", ["priority", "fair", "lpm"])
 def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_model_dir, reference, policy):
     """Who waits changes the order, not the tokens: a pool too small for everything at once (so groups are preempted
     and, under priority, displaced), priorities and clients mixed, n = 2 samples; every sample equals transformers."""
@@ -264,3 +264,43 @@ def test_scheduling_policy_flags_and_values(tmp_path):
         SamplingParams(priority=1.5)
     with pytest.raises(InvalidRequestError, match="client"):
         SamplingParams(client="x" * 300)
+
+
+def test_lpm_admits_cache_hits_first_and_matches_transformers(tiny_model_dir, hf_tiny):
+    """Under lpm, requests that continue a finished one's prompt (a chat's next turns) are admitted before unrelated
+    ones that came first, and every greedy output still equals transformers."""
+    rng = random.Random(29)
+    history = [rng.randrange(100, 49152) for _ in range(40)]  # 5 full blocks of 8, cached once "turn1" is done
+    prompts = {"turn1": history, "other1": [rng.randrange(100, 49152) for _ in range(30)],
+               "other2": [rng.randrange(100, 49152) for _ in range(20)],
+               "turn2": history + [rng.randrange(100, 49152) for _ in range(9)],
+               "turn2b": history + [rng.randrange(100, 49152) for _ in range(3)]}
+    engine = make_engine(tiny_model_dir, num_blocks=32, block_size=8, max_model_len=96, max_num_seqs=2,
+                         max_num_batched_tokens=64, scheduling_policy="lpm")
+    outputs: dict[str, list[int]] = {}
+    admitted: list[str] = []
+
+    def admissions(before: set[str], after: set[str]) -> None:
+        admitted.extend(sorted(after - before - set(admitted)))
+
+    engine.add_request("turn1", prompts["turn1"], greedy())
+    for rid in ("other1", "other2", "turn2", "turn2b"):
+        if rid == "other1":
+            while engine.has_unfinished_requests():
+                collect(engine.step(), outputs)
+        engine.add_request(rid, prompts[rid], greedy())
+    while engine.has_unfinished_requests():
+        running = {g.request_id for g in engine.scheduler.running}
+        collect(engine.step(), outputs)
+        engine.check_invariants()
+        admissions(running, {g.request_id for g in engine.scheduler.running})
+    assert admitted[:2] == ["turn2", "turn2b"] and engine.stats().prefix_cache_hits >= 2 * 40
+    for rid, prompt in prompts.items():
+        ref, logits = hf_greedy(hf_tiny, prompt, MAX_TOKENS)
+        assert_matches_reference(outputs[rid], ref, logits)
+
+
+def collect(outs: list, outputs: dict[str, list[int]]) -> None:
+    for out in outs:
+        if out.finished:
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
