@@ -12,6 +12,7 @@ from pagedllm.bench import (
     latency,
     route,
     serve,
+    sessions,
     sharing,
     soak,
     structured,
@@ -21,5 +22,5 @@ from pagedllm.bench import (
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness,
-                   kernels):
+                   sessions, kernels):
         module.add_command(sub)

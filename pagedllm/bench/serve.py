@@ -56,6 +56,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    prompt_tokens: int | None = None  # as the server's usage counts them (a chat's rendered template included)
+    text: str = ""  # the first choice's text (a chat's reply, for the next turn's history)
 
 
 def completion_payload(model: str, request: Any) -> dict[str, Any]:
@@ -78,14 +80,15 @@ def error_message(body: bytes | dict) -> str:
 
 
 async def send_request(client: aiohttp.ClientSession, payload: dict[str, Any], result: RequestResult,
-                       t0: float) -> None:
-    """Stream one completion, timing every chunk per choice; a failure is recorded in `result`, never raised."""
+                       t0: float, path: str = "v1/completions") -> None:
+    """Stream one completion (or chat completion, by `path`), timing every chunk per choice; a failure is recorded
+    in `result`, never raised."""
     start = time.perf_counter()
     result.start_s = start - t0
     last_chunk: dict[int, float] = {}  # choice index -> arrival of its latest chunk
     done = False
     try:
-        async with client.post("v1/completions", json=payload) as response:
+        async with client.post(path, json=payload) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {error_message(await response.read())}"
                 return
@@ -113,9 +116,15 @@ async def send_request(client: aiohttp.ClientSession, payload: dict[str, Any], r
 
 def record_chunk(event: dict[str, Any], now: float, start: float, last_chunk: dict[int, float],
                  result: RequestResult) -> None:
-    """TTFT at the first chunk of any choice; an inter-token gap at every later chunk of the same choice."""
+    """TTFT at the first chunk of any choice; an inter-token gap at every later chunk of the same choice. A chat
+    chunk without content (the role sent before any token, the finish) carries no token."""
     for choice in event.get("choices") or []:
         index = choice.get("index", 0)
+        delta = choice.get("delta")
+        if delta is not None and not (delta.get("content") or delta.get("tool_calls")):
+            continue
+        if index == 0:
+            result.text += choice.get("text") or (delta or {}).get("content") or ""
         if index in last_chunk:
             result.itl_s.append(now - last_chunk[index])
         elif result.ttft_s is None:
@@ -123,6 +132,7 @@ def record_chunk(event: dict[str, Any], now: float, start: float, last_chunk: di
         last_chunk[index] = now
     if usage := event.get("usage"):
         result.output_tokens = int(usage.get("completion_tokens") or 0)
+        result.prompt_tokens = usage.get("prompt_tokens")
 
 
 # ---- server metrics ----------------------------------------------------------------------------------------------
