@@ -204,6 +204,7 @@ def summarize(config: str, policy: str, run: dict[str, Any]) -> dict[str, Any]:
 
     delta = {k: run["after"].get(k, 0.0) - run["before"].get(k, 0.0) for k in run["after"]}
     output = sum(t.result.output_tokens for t in ok)
+    prompt = sum(t.result.prompt_tokens or 0 for t in ok)
     return {
         "config": config, "policy": policy, "turns": len(log), "failed": len(log) - len(ok),
         "duration_s": round(duration, 2),
@@ -214,9 +215,12 @@ def summarize(config: str, policy: str, run: dict[str, Any]) -> dict[str, Any]:
         "chat_returning_p50_ttft_s": percentile(ttfts(lambda t: returning(t) and t.kind == "chat"), 50),
         "agent_returning_p50_ttft_s": percentile(ttfts(lambda t: returning(t) and t.kind == "agent"), 50),
         "output_tokens_per_s": round(output / duration, 2) if duration else None,
-        "prompt_tokens": sum(t.result.prompt_tokens or 0 for t in ok),
+        "prompt_tokens": prompt,
         "prefix_cache_queries": int(delta.get(QUERIES, 0)), "prefix_cache_hits": int(delta.get(HITS, 0)),
         "prefix_cache_hit_rate": round(delta[HITS] / delta[QUERIES], 4) if delta.get(QUERIES) else None,
+        # prompt tokens the server computed (a preempted request's again; without a cache, that the server counts
+        # nothing of, every prompt token once): the work the cache saved is the difference
+        "computed_prompt_tokens": int(delta[QUERIES] - delta.get(HITS, 0)) if delta.get(QUERIES) else prompt,
         "preemptions": int(delta.get(PREEMPTIONS, 0)),
         "tier": {k: v for k, v in delta.items() if k.startswith(TIER_PREFIX) and k.endswith("_total")},
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -287,16 +291,18 @@ def shown(value: object) -> str:
 
 def print_result(result: dict[str, Any]) -> None:
     print(f"{'config':<10}{'policy':<8}{'turns':>6}{'first p50/p99 s':>18}{'return p50/p99 s':>18}"
-          f"{'chat/agent ret p50':>20}{'hit rate':>10}{'out tok/s':>11}")
+          f"{'chat/agent ret p50':>20}{'hit rate':>10}{'computed':>10}{'out tok/s':>11}")
     for r in result["runs"]:
         first = f"{shown(r['first_p50_ttft_s'])}/{shown(r['first_p99_ttft_s'])}"
         returning = f"{shown(r['returning_p50_ttft_s'])}/{shown(r['returning_p99_ttft_s'])}"
         kinds = f"{shown(r['chat_returning_p50_ttft_s'])}/{shown(r['agent_returning_p50_ttft_s'])}"
         print(f"{r['config']:<10}{r['policy']:<8}{r['turns'] - r['failed']:>6}{first:>18}{returning:>18}{kinds:>20}"
-              f"{shown(r['prefix_cache_hit_rate']):>10}{shown(r['output_tokens_per_s']):>11}")
+              f"{shown(r['prefix_cache_hit_rate']):>10}{shown(r['computed_prompt_tokens']):>10}"
+              f"{shown(r['output_tokens_per_s']):>11}")
     for key, reason in result["skipped"].items():
         print(f"skipped {key}: {reason}")
-    print(f"first: each session's first turn in the run (after a restart: its first replayed turn); "
+    print("first: each session's first turn in the run (after a restart: its first replayed turn); computed: prompt "
+          "tokens the server computed (a preempted request's again; no-cache: each once); "
           f"KV pool {result['num_blocks']} blocks")
 
 

@@ -64,9 +64,11 @@ def test_bench_sessions_returning_turns_hit_the_prefix_cache(tiny_model_dir, tmp
         if config != "restart":
             assert run["turns"] == 6 and sorted(t["turn"] for t in run["turn_log"]) == [0, 0, 0, 1, 1, 1]
     assert runs["no-cache"]["prefix_cache_hits"] == 0
+    assert runs["no-cache"]["computed_prompt_tokens"] == runs["no-cache"]["prompt_tokens"] > 0
     ram = runs["ram"]
     prompts = {(t["session"], t["turn"]): t["prompt_tokens"] for t in ram["turn_log"]}
     # each returning turn finds at least the full blocks of the turn before it (all but the block at the seam)
     expected = sum(((prompts[s, 0] - 1) // 16 - 1) * 16 for s in ("chat0", "chat1", "agent0"))
     assert expected > 0 and ram["prefix_cache_hits"] >= expected
+    assert ram["computed_prompt_tokens"] <= ram["prompt_tokens"] - expected  # nothing preempted in a pool this big
     assert ram["first_p50_ttft_s"] is not None and ram["returning_p50_ttft_s"] is not None
