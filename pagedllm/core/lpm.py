@@ -103,7 +103,10 @@ class LongestPrefixQueue:
         return picked.group
 
     def remove(self, group: SequenceGroup) -> None:
-        self._drop(next(w for w in self._fifo if w.group is group))
+        entry = next((w for w in self._fifo if w.group is group), None)
+        if entry is None:
+            raise ValueError(f"{group.request_id} is not waiting")
+        self._drop(entry)
 
     def _drop(self, w: Waiting) -> None:
         self._fifo.remove(w)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import Sim
@@ -111,6 +112,8 @@ def test_remove_and_membership():
     assert list(q) == [preempted, *groups] and len(q) == 4 and groups[1] in q
     q.remove(groups[1])
     assert groups[1] not in q and q.popleft() is preempted and q[0] is groups[0] and len(q) == 2
+    with pytest.raises(ValueError):
+        q.remove(groups[1])
 
 
 # ---- random workloads ---------------------------------------------------------------------------------------------
