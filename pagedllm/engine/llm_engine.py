@@ -210,6 +210,7 @@ class LLMEngine:
             self._kv_view = KVView(self.scheduler)
         snap = self._kv_view.snapshot(since)
         snap.counters.generated_tokens = self.num_generated_tokens
+        snap.clients = self.service.table()
         for request in snap.requests:
             request.prompt = self._first_words(request.request_id)
         if len(self._prompt_words) > 2 * len(self.groups) + 256:
