@@ -46,9 +46,9 @@ class ServiceTrace(ServingObserver):
         self.file.close()
 
 
-def read_service_trace(path: str) -> list[Sample]:
+def read_service_trace(path: str, since: float = 0.0) -> list[Sample]:
     """The trace as max_service_gap's samples: every client's total after each line's step, and who waited (after a
-    restart, the fresh engine's totals are added to the old ones)."""
+    restart, the fresh engine's totals are added to the old ones); only the steps from unix time `since` on."""
     samples: list[Sample] = []
     served: dict[str, float] = {}
     before: dict[str, float] = {}  # the totals when the engine last restarted
@@ -61,5 +61,6 @@ def read_service_trace(path: str) -> list[Sample]:
                 before = dict(served)
                 continue
             served.update({c: before.get(c, 0.0) + v for c, v in record["served"].items()})
-            samples.append((dict(served), set(record["backlogged"])))
+            if record["t"] >= since:
+                samples.append((dict(served), set(record["backlogged"])))
     return samples
