@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -59,7 +60,11 @@ class ClientMetrics:
                  named_clients: Iterable[str] = ()) -> None:
         self.model_name = model_name
         self.client_label = ClientLabels(named_clients)
-        self.requests, self.prompt_tokens, self.generation_tokens, self.queue_time = {}, {}, {}, {}
+        # each by "client" and by "priority"
+        self.requests: dict[str, Counter] = {}
+        self.prompt_tokens: dict[str, Counter] = {}
+        self.generation_tokens: dict[str, Counter] = {}
+        self.queue_time: dict[str, Histogram] = {}
         for by in ("client", "priority"):
             labels = ["model_name", by]
             self.requests[by] = Counter(f"pagedllm:{by}_requests", f"Finished requests, by {by}.", labels,
@@ -75,7 +80,8 @@ class ClientMetrics:
     def labels_of(self, client: str | None, priority: int) -> RequestLabels:
         return RequestLabels(self.client_label(client), priority_label(priority))
 
-    def _each(self, family: dict, labels: RequestLabels) -> list:
+    def _each(self, family: dict[str, Counter] | dict[str, Histogram], labels: RequestLabels) -> list[Any]:
+        """The request's series of a family: its client's and its priority's."""
         return [family["client"].labels(self.model_name, labels.client),
                 family["priority"].labels(self.model_name, labels.priority)]
 

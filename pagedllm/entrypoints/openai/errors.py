@@ -163,14 +163,11 @@ class ApiKeyMiddleware:
         """Which key the request sent (every key compared, in constant time each), or None."""
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        bearer = token.strip() if scheme.lower() == b"bearer" else None
-        x_api_key = headers.get(b"x-api-key", b"").strip()
-        found = None
-        for i, expected in enumerate(self.expected):
-            if (bearer is not None and hmac.compare_digest(bearer, expected)) or \
-                    hmac.compare_digest(x_api_key, expected):
-                found = i if found is None else found
-        return found
+        sent = [headers.get(b"x-api-key", b"").strip()]
+        if scheme.lower() == b"bearer":
+            sent.append(token.strip())
+        matches = [i for i, expected in enumerate(self.expected) if any(hmac.compare_digest(s, expected) for s in sent)]
+        return matches[0] if matches else None
 
 
 KEY_CLIENT_STATE = "pagedllm_key_client"  # the scope state's entry for the client an API key names
