@@ -283,7 +283,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 (None: open)
+    # required as `Authorization: Bearer KEY` on /v1 (None: open); several keys separated by commas, each then names
+    # its caller as a client of the fair policy and of the per-client metrics (by a hash of the key)
+    api_key: str | None = None
     api_key_utility_routes: bool = False  # the API key guards /tokenize and /detokenize too (vLLM leaves them open)
     served_model_name: list[str] | None = None  # the names clients use (None: --model as given)
     # sequences (each request's prompts x n) accepted but not running; beyond, 503 with Retry-After, and a request
@@ -304,6 +306,7 @@ class ServerConfig:
     # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
     # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
     default_max_tokens: int | None = None
+    service_trace: str | None = None  # JSON lines of each client's service, step by step (entrypoints/service_trace.py)
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
@@ -313,6 +316,11 @@ class ServerConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}")
         if self.api_key_utility_routes and not self.api_key:
             raise ValueError("--api-key-utility-routes needs an API key (--api-key or $PAGEDLLM_API_KEY)")
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys any of which opens /v1."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @property
     def dashboard(self) -> float | None:
@@ -326,8 +334,9 @@ class ServerConfig:
         g = parser.add_argument_group("server")
         g.add_argument("--host", default=d["host"].default, help="address to listen on (0.0.0.0: every interface)")
         g.add_argument("--port", type=int, default=d["port"].default, help="port to listen on")
-        g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
-                                                       "(default: $PAGEDLLM_API_KEY)")
+        g.add_argument("--api-key", action="append", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 (default: $PAGEDLLM_API_KEY); several keys, "
+                            "given more than once or separated by commas, each name their caller as a client")
         g.add_argument("--api-key-utility-routes", action="store_true",
                        help="the API key guards /tokenize and /detokenize too (by default they are open, as vLLM's; "
                             "open or not, their tokenizer work has its own thread and a bounded queue, 503 past it)")
@@ -362,9 +371,13 @@ class ServerConfig:
                        help="max_tokens of a request that sets none (default: the rest of the context, as OpenAI and "
                             "vLLM; a small model can run to the end of it, thousands of tokens). A request's own "
                             "max_tokens is never capped by it")
+        g.add_argument("--service-trace", default=None, metavar="FILE",
+                       help="write each client's service, step by step, as JSON lines (to check the fair policy's "
+                            "bound; docs/fairness.md); not with --data-parallel-size")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
-        values["api_key"] = values["api_key"] or os.environ.get("PAGEDLLM_API_KEY")
+        keys = values["api_key"]
+        values["api_key"] = ",".join(keys) if keys else os.environ.get("PAGEDLLM_API_KEY")
         return cls(**values)

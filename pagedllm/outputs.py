@@ -32,6 +32,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # who asked and how urgently (the request's SamplingParams.client / .priority): the per-client metrics' labels
+    client: str | None = None
+    priority: int = 0
 
 
 @dataclass

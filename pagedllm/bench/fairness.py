@@ -1,7 +1,8 @@
 """`pagedllm bench fairness`: who waits on a shared server. A heavy client queues many long requests at once while a
 few light interactive clients each send a short request, wait for it, think, and send the next. For each
 --scheduling-policy (fcfs, priority, fair) it launches a server and reports every client's tokens/s and p50/p99 time
-to first token, the total throughput, and the largest service gap between two backlogged clients (what VTC bounds).
+to first token, the total throughput, and the largest service gap between two backlogged clients (what VTC bounds):
+as the clients saw it, and as the server's engine recorded it (`serve --service-trace`), beside the paper's bound.
 The light clients are first run alone on an idle server: the TTFT the others are compared with.
 
 The heavy client sends `user: heavy` and priority 1; light client i sends `user: light{i}` and priority 0.
@@ -37,6 +38,8 @@ from pagedllm.bench.serve import (
 )
 from pagedllm.config import SCHEDULING_POLICIES, EngineConfig
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
+from pagedllm.core.service import service_bound
+from pagedllm.entrypoints.service_trace import read_service_trace
 
 SERVER_FLAGS = ["--disable-log-requests", "--uvicorn-log-level", "warning"]
 VOCAB_RANGE = (1000, 40000)  # prompt token ids: ordinary tokens of the default tokenizer
@@ -98,6 +101,7 @@ async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, durat
     stop = asyncio.Event()
     rng = random.Random(w.seed)
     async with http_client(base_url, None) as http:
+        since = time.time()  # the service trace's clock
         t0 = time.perf_counter()
         lights = [asyncio.create_task(light_client(http, model, w, i, t0, stop, log)) for i in range(w.light_clients)]
         if heavy:
@@ -107,7 +111,7 @@ async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, durat
             await asyncio.sleep(duration_s or w.idle_s)
         stop.set()
         await asyncio.gather(*lights)
-        return {"log": log, "duration_s": time.perf_counter() - t0}
+        return {"log": log, "duration_s": time.perf_counter() - t0, "since": since}
 
 
 def token_times(r: RequestResult) -> list[float]:
@@ -153,28 +157,41 @@ def client_rows(log: list[Sent], duration_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(policy: str, run: dict) -> dict[str, Any]:
+def service_bound_of(w: Workload, max_num_seqs: int) -> float:
+    """VTC's 2·max(w_p·L_input, w_q·M), M the tokens the running batch can hold: its seats x the longest request."""
+    seats = min(max_num_seqs, w.heavy_requests + w.light_clients)
+    longest = max(w.heavy_input_len + w.heavy_output_len, w.light_input_len + w.light_output_len)
+    return service_bound(max(w.heavy_input_len, w.light_input_len), seats * longest)
+
+
+def summarize(policy: str, run: dict, trace: str | None = None, bound: float | None = None) -> dict[str, Any]:
+    """A run's figures; with the server's service trace, the gap the engine recorded over the run too."""
     log, duration = run["log"], run["duration_s"]
+    engine_gap = max_service_gap(read_service_trace(trace, run["since"])) if trace and os.path.exists(trace) else None
     light_ttfts = [s.result.ttft_s for s in log if s.client != "heavy" and s.result.ttft_s is not None]
     total = sum(s.result.output_tokens for s in log if s.result.error is None)
     return {"policy": policy, "duration_s": round(duration, 2), "total_tokens_per_s": round(total / duration, 2),
             "light_p50_ttft_s": percentile(light_ttfts, 50), "light_p99_ttft_s": percentile(light_ttfts, 99),
             "max_service_gap": round(max_service_gap(service_samples(log, duration)), 1),
+            "engine_max_service_gap": None if engine_gap is None else round(engine_gap, 1), "service_bound": bound,
             "max_input_len": max((s.result.prompt_len for s in log), default=0),
             "loadavg_after": [round(x, 2) for x in os.getloadavg()], "clients": client_rows(log, duration)}
 
 
-def run_policy(policy: str, argv: list[str], w: Workload, log_dir: str, timeout: float, idle: bool) -> list[dict]:
-    """Launch a server under `policy`; the idle run first if asked, then the contended one."""
+def run_policy(policy: str, argv: list[str], w: Workload, log_dir: str, timeout: float, idle: bool,
+               bound: float) -> list[dict]:
+    """Launch a server under `policy` (recording its service trace); the idle run first if asked, then the
+    contended one."""
     log_path = os.path.join(log_dir, f"server-{policy}.log")
+    trace = os.path.join(log_dir, f"service-{policy}.jsonl")
     print(f"[{policy}] launching the server (log: {log_path})", file=sys.stderr)
     out = []
-    with ServerProcess([*argv, "--scheduling-policy", policy], log_path, timeout) as server:
+    with ServerProcess([*argv, "--scheduling-policy", policy, "--service-trace", trace], log_path, timeout) as server:
         model = fetch_model_card(server.url)["id"]
         if idle:
             out.append(summarize("idle", asyncio.run(run_clients(server.url, model, w, False, w.idle_s))))
             print(f"[idle] light p99 TTFT {out[-1]['light_p99_ttft_s']} s", file=sys.stderr)
-        out.append(summarize(policy, asyncio.run(run_clients(server.url, model, w, True, None))))
+        out.append(summarize(policy, asyncio.run(run_clients(server.url, model, w, True, None)), trace, bound))
         print(f"[{policy}] light p99 TTFT {out[-1]['light_p99_ttft_s']} s, total {out[-1]['total_tokens_per_s']} "
               "tok/s", file=sys.stderr)
     return out
@@ -188,7 +205,9 @@ def print_result(result: dict[str, Any]) -> None:
                   f"{row['p50_ttft_s'] or '-'!s:>12}{row['p99_ttft_s'] or '-'!s:>12}")
         print(f"{run['policy']:<10}{'(all)':<10}{'':>9}{run['total_tokens_per_s']:>10.2f}"
               f"{run['light_p50_ttft_s'] or '-'!s:>12}{run['light_p99_ttft_s'] or '-'!s:>12}"
-              f"   light p50/p99 TTFT; max service gap {run['max_service_gap']}")
+              f"   light p50/p99 TTFT; max service gap {run['max_service_gap']} (clients), "
+              f"{run['engine_max_service_gap'] if run['engine_max_service_gap'] is not None else '-'} (engine trace), "
+              f"bound {run['service_bound'] if run['service_bound'] is not None else '-'}")
 
 
 def cmd_fairness(args: argparse.Namespace, actions: Sequence[argparse.Action]) -> int:
@@ -204,7 +223,8 @@ def cmd_fairness(args: argparse.Namespace, actions: Sequence[argparse.Action]) -
     runs: list[dict] = []
     try:
         for i, policy in enumerate(policies):
-            runs += run_policy(policy, argv, w, log_dir, args.server_timeout, idle=i == 0 and w.idle_s > 0)
+            runs += run_policy(policy, argv, w, log_dir, args.server_timeout, idle=i == 0 and w.idle_s > 0,
+                               bound=service_bound_of(w, args.max_num_seqs))
     except RuntimeError as e:  # a server that would not start: its log says why
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -56,6 +56,8 @@ class RequestView:
     n: int
     samples: list[SeqView]
     prompt: str = ""  # its first words, filled in by the engine (the core has no tokenizer)
+    priority: int = 0
+    client: str = ""  # "" for a request that names none
 
 
 @dataclass
@@ -93,6 +95,8 @@ class KVSnapshot:
     counters: KVCounters
     events: list[KVEvent]  # since the snapshot asked from (the latest ones of a full snapshot)
     events_dropped: int = 0  # events that happened but are not in `events`
+    # per client, the most served first: requests, tokens, queue time, service (core/service.py; filled by the engine)
+    clients: list[dict[str, float | int | str]] = field(default_factory=list)
 
 
 @dataclass
@@ -181,7 +185,8 @@ class KVView:
             self.names[seq.seq_id] = group.request_id if len(group.seqs) == 1 else f"{group.request_id}#{seq.index}"
         first = group.seqs[0]
         status = "running" if running else "preempted" if any(s.num_preemptions for s in group.seqs) else "waiting"
-        return RequestView(group.request_id, status, first.num_prompt_tokens, len(group.seqs), samples)
+        return RequestView(group.request_id, status, first.num_prompt_tokens, len(group.seqs), samples,
+                           priority=group.priority, client=group.client or "")
 
     def _named(self, event: KVEvent) -> KVEvent:
         if event.request_id is None and event.seq_id in self.names:

@@ -17,6 +17,7 @@ from pagedllm.core.kv_stats import KVUsage
 from pagedllm.core.kv_view import KVSnapshot, KVView
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.core.service import ServiceLedger
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.isolation import EngineBrokenError as EngineBrokenError  # raised by step(), imported from here
 from pagedllm.engine.isolation import StepIsolation
@@ -86,6 +87,7 @@ class LLMEngine:
         self.num_draft_tokens = 0  # proposed tokens verified, and those accepted (vLLM's spec_decode counters)
         self.num_accepted_tokens = 0
         self.kv_usage = KVUsage()
+        self.service = ServiceLedger()  # per client: requests, tokens, queue time, weighted service (every policy)
         self.groups: dict[str, SequenceGroup] = {}
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.structured)
@@ -141,8 +143,9 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
         spec = params.structured_outputs
         matchers = self.structured.new_matchers(spec, params.n) if spec is not None else []
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                       RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room))
+        metrics = RequestMetrics(arrival_time or time.time(), client=params.client, priority=params.priority)
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params, metrics,
+                       max_tokens=min(params.max_tokens or room, room))
         group = SequenceGroup.make(seq)
         self.runner.add_sequences(group.seqs)  # per-request state now: a failure is this request's
         self.groups[request_id] = group
@@ -207,6 +210,7 @@ class LLMEngine:
             self._kv_view = KVView(self.scheduler)
         snap = self._kv_view.snapshot(since)
         snap.counters.generated_tokens = self.num_generated_tokens
+        snap.clients = self.service.table()
         for request in snap.requests:
             request.prompt = self._first_words(request.request_id)
         if len(self._prompt_words) > 2 * len(self.groups) + 256:
@@ -266,6 +270,7 @@ class LLMEngine:
         """Schedule, run the model once, commit, process its tokens. A request the step fails on fails alone
         (pop_failed_requests); an error that escapes means the engine must be replaced."""
         with self.timer.part("schedule"):
+            self.service.note_waiting(self.scheduler.waiting)
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -276,6 +281,7 @@ class LLMEngine:
             groups = list(dict.fromkeys(self.groups[s.seq.request_id] for s in plan.scheduled))
             outputs = self.isolation.rerun(plan, groups, error)
             self.kv_usage.record_step(self.block_manager, self.scheduler.running)
+        self.service.end_step(plan)
         if self.observers:
             self._notify(StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
                                     outputs))
@@ -286,6 +292,7 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check_engine(plan)
         now = time.time()
+        self.service.start_step(plan, now)  # before the stamps: an unstamped request is charged its prompt
         for s in plan.scheduled:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
         return self.block_manager.pool.num_used

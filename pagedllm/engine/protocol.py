@@ -18,6 +18,7 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 if TYPE_CHECKING:
     from pagedllm.core.kv_view import KVSnapshot
     from pagedllm.core.sequence import Sequence
+    from pagedllm.core.service import ServiceLedger
     from pagedllm.engine.llm_engine import EngineCounters
     from pagedllm.engine.router import Router
     from pagedllm.engine.structured_output import CompiledGrammar
@@ -74,6 +75,7 @@ class SteppedEngine(Protocol):
     max_model_len: int
     max_prompt_chars: int | None  # no text longer than this can fit (None: not known)
     model_config: ModelConfig  # the checkpoint's config (vocab_size)
+    service: ServiceLedger  # what each client has been served (the dashboard's per-client table, --service-trace)
 
     @property
     def num_running(self) -> int: ...

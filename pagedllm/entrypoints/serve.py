@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig, ServerConfig
@@ -22,9 +22,10 @@ if TYPE_CHECKING:  # fastapi, uvicorn and the engine are imported where used: `s
 
 def build_app(engine: SteppedEngine, model_names: list[str], server: ServerConfig | None = None,
               model_path: str | None = None, engine_factory: Callable[[], SteppedEngine] | None = None,
-              log_interval: float = 5.0) -> FastAPI:
+              log_interval: float = 5.0, named_clients: Iterable[str] = ()) -> FastAPI:
     """The app over an already loaded LLMEngine; the engine thread lives as long as the app. With an
-    `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down)."""
+    `engine_factory` an engine that breaks is replaced by a fresh one (without, it stays down). `named_clients`
+    (those of --client-weights) always get their own label in the per-client metrics."""
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.protocol import ServingObserver
     from pagedllm.entrypoints.openai import dashboard
@@ -32,12 +33,16 @@ def build_app(engine: SteppedEngine, model_names: list[str], server: ServerConfi
     from pagedllm.entrypoints.openai.metrics import EngineStats
 
     server = server or ServerConfig()
-    stats = EngineStats(model_names[0], log_interval=log_interval)
+    stats = EngineStats(model_names[0], log_interval=log_interval, named_clients=named_clients)
     rate = server.dashboard
     hub = dashboard.DashboardHub(model_names[0], rate, hide_prompts=bool(server.api_key),
                                  max_streams=server.max_dashboard_streams,
                                  send_timeout=server.stream_send_timeout) if rate else None
-    observer: ServingObserver = stats if hub is None else dashboard.Observers(stats, hub)
+    members: list[ServingObserver] = [stats, *([hub] if hub else [])]
+    if server.service_trace:
+        from pagedllm.entrypoints.service_trace import ServiceTrace
+        members.append(ServiceTrace(server.service_trace))
+    observer: ServingObserver = stats if len(members) == 1 else dashboard.Observers(*members)
     client = AsyncLLMEngine(engine, server.max_waiting_requests, observer=observer, engine_factory=engine_factory)
     app = build_client_app(client, stats, model_names, server, model_path,
                            on_start=None if hub is None else lambda: hub.start(engine))
@@ -84,13 +89,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size must be positive, got {args.data_parallel_size}")
     set_log_levels(server)
     if args.data_parallel_size > 1:
+        if server.service_trace:
+            raise ValueError("--service-trace records one engine's steps: not with --data-parallel-size")
         app = build_data_parallel_app(args, server)
     else:
         config = EngineConfig.from_cli_args(args)
         engine = build_serving_engine(config)
         names = server.served_model_name or [args.model or engine.model_name]
         app = build_app(engine, names, server, model_path=args.model or engine.model_name,
-                        engine_factory=functools.partial(LLMEngine, config))
+                        engine_factory=functools.partial(LLMEngine, config), named_clients=config.client_weights or ())
     uvicorn_server(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
                    timeout_keep_alive=server.timeout_keep_alive, **uvicorn_config_kwargs(connections)).run()
     return 0
@@ -133,7 +140,8 @@ def build_data_parallel_app(args: argparse.Namespace, server: ServerConfig) -> F
                              ray_address=args.ray_address, max_waiting_requests=server.max_waiting_requests,
                              kv_snapshot_rate=server.dashboard)
     name = (server.served_model_name or [None])[0]
-    observer = functools.partial(EngineStats, name or args.model or "default")
+    observer = functools.partial(EngineStats, name or args.model or "default",
+                                 named_clients=tuple(args.client_weights or ()))
     pool = ReplicaPool(EngineConfig.from_cli_args(args), pool_config, observer_factory=observer)
     names = server.served_model_name or [args.model or pool.model_name]
     rate = server.dashboard

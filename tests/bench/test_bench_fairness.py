@@ -45,3 +45,8 @@ def test_bench_fairness_runs_every_policy(tiny_model_dir, tmp_path):
         assert all(row["failed"] == 0 and row["requests"] >= 1 for row in clients.values())
         if run["policy"] != "idle":
             assert clients["heavy"]["requests"] == 3 and clients["heavy"]["output_tokens"] == 12
+            # the engine's own trace of the run (serve --service-trace), beside the bound: 2·max(16, 2·2·20)
+            assert run["service_bound"] == 160 and run["engine_max_service_gap"] is not None
+            if run["policy"] == "fair":
+                assert run["engine_max_service_gap"] <= run["service_bound"]
+    assert (tmp_path / "service-fair.jsonl").stat().st_size > 0

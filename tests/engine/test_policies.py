@@ -13,6 +13,8 @@ from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy,
 from pagedllm import LLM, LLMEngine, SamplingParams
 from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
 from pagedllm.core.baselines import reservation_tokens
+from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
+from pagedllm.core.service import service_bound
 from pagedllm.errors import InvalidRequestError
 
 COMBOS = list(itertools.product(KV_POLICIES, BATCHING_MODES))
@@ -304,3 +306,36 @@ def collect(outs: list, outputs: dict[str, list[int]]) -> None:
     for out in outs:
         if out.finished:
             outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def ledger_trace(model: str, policy: str) -> tuple[list[tuple[dict, set]], LLMEngine]:
+    """A heavy client's 10 requests queued before two light clients' 4 each, on a pool of 8 blocks of 16 tokens and
+    2 seats: each client's service after every step, and who was waiting when the step began, as the engine's
+    ServiceLedger recorded them."""
+    engine = make_engine(model, num_blocks=8, block_size=16, max_model_len=128, max_num_seqs=2,
+                         scheduling_policy=policy)
+    rng = random.Random(7)
+    for client, count, prompt_len, out_len in (("heavy", 10, 40, 16), ("alice", 4, 8, 4), ("bob", 4, 8, 4)):
+        for i in range(count):
+            engine.add_request(f"{client}{i}", [rng.randrange(100, 40000) for _ in range(prompt_len)],
+                               SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, client=client))
+    samples = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        samples.append((engine.service.served(), set(engine.service.backlogged)))
+    return samples, engine
+
+
+def test_the_engines_service_ledger_keeps_the_vtc_bound_under_fair_only(tiny_model_dir):
+    """The bound checked on what the engine recorded (core/service.py), not on a model of it: under fair, two
+    backlogged clients' service stays within 2·max(w_p·L_input, w_q·M), M the pool's 128 tokens; FCFS serves the
+    heavy client's whole queue first and breaks it (here: fair 48, fcfs 660, bound 512)."""
+    bound = service_bound(40, 8 * 16)
+    fair, engine = ledger_trace(tiny_model_dir, "fair")
+    fcfs, _ = ledger_trace(tiny_model_dir, "fcfs")
+    clients = engine.service.clients
+    assert clients["heavy"].requests == 10 and clients["heavy"].prompt_tokens == 400
+    assert clients["heavy"].output_tokens == 160 and clients["alice"].output_tokens == 16
+    assert clients["bob"].service == INPUT_WEIGHT * 32 + OUTPUT_WEIGHT * 16
+    assert fair[-1][0] == fcfs[-1][0]  # the same work in the end, in another order
+    assert max_service_gap(fair) <= bound < max_service_gap(fcfs)

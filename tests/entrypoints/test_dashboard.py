@@ -78,6 +78,7 @@ def state(page) -> dict:
     return page.evaluate("""() => { const s = window.dashboardState;
         return {counts: s.counts, peak: s.peak, counters: s.counters, selected: s.selected, mode: s.mode,
                 connected: s.connected, kinds: [...new Set(s.events.map(e => e.kind))], requests: s.requests,
+                clients: s.clients,
                 grid: s.grid, numBlocks: s.numBlocks, states: Array.from(s.states), refs: Array.from(s.refs)}; }""")
 
 
@@ -93,21 +94,21 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     assert "Traceback" not in Path(s.log_path).read_text(errors="replace"), s.log_tail()
 
 
-def complete(server: Server, prompt: str, max_tokens: int, n: int = 1) -> int:
+def complete(server: Server, prompt: str, max_tokens: int, n: int = 1, **fields: object) -> int:
     """One completion with exactly max_tokens tokens per sample; its completion tokens."""
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "n": n,
-                                                         "temperature": 1.0, "seed": 1, "ignore_eos": True},
-                   timeout=300)
+                                                         "temperature": 1.0, "seed": 1, "ignore_eos": True,
+                                                         **fields}, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["usage"]["completion_tokens"]
 
 
 def sharing_workload(server: Server) -> int:
-    """Parallel sampling (4 samples over one prompt's blocks) beside shared-prefix requests (the first fills the
-    prefix cache, the others find it). Returns the tokens generated."""
+    """Parallel sampling (4 samples over one prompt's blocks, client "storyteller", priority -1) beside anonymous
+    shared-prefix requests (the first fills the prefix cache, the others find it). Returns the tokens generated."""
     generated = complete(server, PREFIX + "Question 0: what is a comet?", 1)
     with ThreadPoolExecutor(8) as pool:
-        jobs = [pool.submit(complete, server, STORY, 120, 4)]
+        jobs = [pool.submit(complete, server, STORY, 120, 4, user="storyteller", priority=-1)]
         time.sleep(0.3)
         jobs += [pool.submit(complete, server, PREFIX + f"Question {i}: who was person number {i}?", 60)
                  for i in range(1, 7)]
@@ -140,6 +141,7 @@ def test_the_page_shows_sharing_and_caching_and_agrees_with_metrics(server: Serv
     if selected is not None:
         assert state(page)["selected"] == selected
         assert page.locator("tr.req.selected").count() == 1
+        assert page.locator("tr.req.selected td.who").inner_text() == "storyteller · -1"
     load.join()
 
     s = idle_page_state(page, before + result["generated"])
@@ -159,6 +161,11 @@ def test_the_page_shows_sharing_and_caching_and_agrees_with_metrics(server: Serv
     assert s["counts"]["used"] + s["counts"]["shared"] + s["counts"]["reserved"] == c["blocks_in_use"]
     assert sum(s["counts"].values()) == NUM_BLOCKS
     assert c["forks"] >= 3 and {"fork", "prefix_hit"} <= set(s["kinds"])
+    # the clients table: the storyteller's one request of 4 x 120 tokens, the anonymous client's 7
+    clients = {row["client"]: row for row in s["clients"]}
+    assert set(clients) == {"storyteller", ""} and clients["storyteller"]["output_tokens"] == 480
+    assert clients["storyteller"]["requests"] == 1 and clients[""]["requests"] == 7
+    assert page.locator("#clients tr").count() == 2 and "(anonymous)" in page.locator("#clients").inner_text()
 
     # hovering a cached block names it
     block = s["states"].index(3)

@@ -57,7 +57,7 @@ def build_client_app(engine: EngineClient, stats: EngineStats | ReplicaSetStats,
     app.state.responses = ResponseStore(server.responses_store_size, server.responses_store_ttl)
     install_error_handlers(app)
     if server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server.api_key,
+        app.add_middleware(ApiKeyMiddleware, api_key=server.api_keys,
                            also=UTILITY_ROUTES if server.api_key_utility_routes else ())
     app.add_middleware(RequestLimitMiddleware, max_bytes=server.max_request_bytes, timeout=server.body_timeout)
     for router in ROUTERS:

@@ -44,9 +44,10 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
         raise validation_error(e) from None  # type: ignore[arg-type]
 
 
-async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: str) -> ChatRun:
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: str,
+                     client: str | None = None) -> ChatRun:
     """Render, tokenize, check and submit one choice of `req`, exactly as /v1/chat/completions does."""
-    chat = await submit_chat(ctx, req, id_prefix, None, 1)
+    chat = await submit_chat(ctx, req, id_prefix, None, 1, client)
     return ChatRun(req, chat.model, chat.prompt, chat.tools, chat.request_id, chat.streams)
 
 

@@ -4,9 +4,10 @@ never a 500; overload and a dead or restarting engine are 503s; and the API key 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
@@ -132,28 +133,47 @@ UTILITY_ROUTES = ("/tokenize", "/detokenize")  # vLLM's "utility endpoints": ope
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (and the `also` paths);
-    /health, /metrics and the rest stay open."""
+    """Every /v1 route needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (and the `also` paths), KEY
+    one of the server's keys; /health, /metrics and the rest stay open. With several keys, the key a request came
+    with names its client (`key_client`, a hash: the key itself is never shown), in the request's scope state."""
 
-    def __init__(self, app: ASGIApp, api_key: str, also: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str], also: tuple[str, ...] = ()) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.expected = [k.encode() for k in keys]
+        self.names = [key_client(k) for k in keys] if len(keys) > 1 else [None] * len(keys)
         self.also = frozenset(also)
 
     def _guarded(self, path: str) -> bool:
         return path.startswith("/v1") or path.rstrip("/") in self.also
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope):
-            error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response(scope["path"])(scope, receive, send)
-            return
+        if scope["type"] == "http" and self._guarded(scope["path"]):
+            index = self._key_index(scope)
+            if index is None:
+                error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response(scope["path"])(scope, receive, send)
+                return
+            if self.names[index] is not None:
+                scope.setdefault("state", {})[KEY_CLIENT_STATE] = self.names[index]
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _key_index(self, scope: Scope) -> int | None:
+        """Which key the request sent (every key compared, in constant time each), or None."""
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
-            return True
-        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)
+        sent = [headers.get(b"x-api-key", b"").strip()]
+        if scheme.lower() == b"bearer":
+            sent.append(token.strip())
+        matches = [i for i, expected in enumerate(self.expected) if any(hmac.compare_digest(s, expected) for s in sent)]
+        return matches[0] if matches else None
+
+
+KEY_CLIENT_STATE = "pagedllm_key_client"  # the scope state's entry for the client an API key names
+
+
+def key_client(api_key: str) -> str:
+    """The client name of an API key: "key-" and the first 8 hex digits of its SHA-256 (metrics and logs may show
+    it; --client-weights may weigh it)."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:8]

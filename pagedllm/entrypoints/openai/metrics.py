@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.engine.protocol import ReplicaSetClient, ServingObserver, SteppedEngine
+from pagedllm.entrypoints.openai.client_metrics import ClientMetrics, RequestLabels
 from pagedllm.outputs import RequestOutput
 
 request_logger = logging.getLogger("pagedllm.requests")
@@ -36,6 +38,7 @@ ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 class _Progress:
     """What the stats have seen of one request so far."""
 
+    labels: RequestLabels
     num_tokens: int = 0
     last_token_time: float | None = None
 
@@ -44,7 +47,7 @@ class EngineStats(ServingObserver):
     """Prometheus metrics for one server (its own registry) plus per-request and periodic engine log lines."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, log_interval: float = 5.0,
-                 ) -> None:
+                 named_clients: Iterable[str] = ()) -> None:
         self.registry = registry or CollectorRegistry()
         self.log_interval = log_interval
         labels = ["model_name"]
@@ -90,6 +93,8 @@ class EngineStats(ServingObserver):
                                              LATENCY_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                             LATENCY_BUCKETS)
+        # the same per client and per priority (named_clients: those of --client-weights, always labelled)
+        self.by_client = ClientMetrics(self.registry, model_name, LATENCY_BUCKETS, named_clients)
         self._progress: dict[str, _Progress] = {}
         self._seen_preemptions = 0
         self._seen_prefix_cache = (0, 0)  # the scheduler's (queries, hits) token counts at the last record
@@ -152,16 +157,19 @@ class EngineStats(ServingObserver):
             self._seen_spec = (draft, accepted)
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
-        progress = self._progress.setdefault(out.request_id, _Progress())
+        progress = self._progress.get(out.request_id)
+        if progress is None:
+            progress = self._progress[out.request_id] = _Progress(self._labels_of(out))
         num_tokens = sum(len(c.token_ids) for c in out.outputs)  # all n samples of the request
         new_tokens = num_tokens - progress.num_tokens
         m = out.metrics
         if new_tokens > 0:
             if progress.num_tokens == 0:
-                self._record_first_token(out, now)
+                self._record_first_token(out, now, progress.labels)
             elif progress.last_token_time is not None:
                 self.inter_token_latency.observe((now - progress.last_token_time) / new_tokens)
             self.generation_tokens.inc(new_tokens)
+            self.by_client.record_tokens(progress.labels, new_tokens)
             self._interval_generation_tokens += new_tokens
             progress.num_tokens, progress.last_token_time = num_tokens, now
         if out.finished:
@@ -169,19 +177,26 @@ class EngineStats(ServingObserver):
             reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
             self._request_success.labels(self._model_name, reason).inc()
             self._endpoint_requests.labels(self._model_name, endpoint_of(out.request_id)).inc()
+            self.by_client.record_finished(progress.labels)
             if m is not None:
                 self.e2e_request_latency.observe((m.finished_time or now) - m.arrival_time)
             log_finished_request(out, now)
 
-    def _record_first_token(self, out: RequestOutput, now: float) -> None:
+    def _labels_of(self, out: RequestOutput) -> RequestLabels:
+        m = out.metrics
+        return self.by_client.labels_of(m.client if m else None, m.priority if m else 0)
+
+    def _record_first_token(self, out: RequestOutput, now: float, labels: RequestLabels) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self._interval_prompt_tokens += len(out.prompt_token_ids)
         m = out.metrics
+        queue_time = None if m is None or m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
+        self.by_client.record_first_token(labels, len(out.prompt_token_ids), queue_time)
         if m is None:
             return
         self.time_to_first_token.observe((m.first_token_time or now) - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if queue_time is not None:
+            self.request_queue_time.observe(queue_time)
 
     def _maybe_log_engine(self, kv_usage: float, running: int, waiting: int) -> None:
         """Every log_interval seconds while there is work: throughput and occupancy, as vLLM logs them.

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import EngineClient, EngineRestartingError, RequestStream
-from pagedllm.entrypoints.openai.errors import APIError, engine_errors, json_response, to_api_error
+from pagedllm.entrypoints.openai.errors import KEY_CLIENT_STATE, APIError, engine_errors, json_response, to_api_error
 from pagedllm.entrypoints.openai.limits import (
     OFF_LOOP_CHARS,
     OFF_LOOP_TOKENS,
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.serving")
+CLIENT_HEADER = "x-client-id"  # names the client of the fair policy and the per-client metrics
 T = TypeVar("T")
 
 
@@ -103,8 +104,18 @@ def server_of(request: Request) -> ServerContext:
 
 
 # ---- requests -> engine ----------------------------------------------------------------------------------
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams for one choice; absurd values are 400s naming the field."""
+def client_of(raw: Request) -> str | None:
+    """Who is asking, as the request's metadata says: the client its API key names (with several keys), else its
+    X-Client-Id header; None leaves it to the body's `user` field (docs/fairness.md has the order)."""
+    named = raw.scope.get("state", {}).get(KEY_CLIENT_STATE)
+    return named or raw.headers.get(CLIENT_HEADER) or None
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    client: str | None = None) -> SamplingParams:
+    """The engine's SamplingParams for one choice; absurd values are 400s naming the field. `client` (client_of)
+    outranks the request's `user`."""
+    client = client or req.user
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.logit_bias:
@@ -118,7 +129,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs_of(req),
-            priority=req.priority, client=req.user[:MAX_CLIENT_CHARS] if req.user is not None else None)
+            priority=req.priority, client=client[:MAX_CLIENT_CHARS] if client is not None else None)
     except InvalidRequestError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None

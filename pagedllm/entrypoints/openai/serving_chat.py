@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.response_format import tool_names
 from pagedllm.entrypoints.openai.serving import (
     ChoiceDelta,
     ServerContext,
+    client_of,
     finish_fields,
     respond,
     sampling_params,
@@ -124,12 +125,12 @@ class SubmittedChat:
 
 
 async def submit_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix: str, top_n: int | None,
-                      n: int) -> SubmittedChat:
+                      n: int, client: str | None = None) -> SubmittedChat:
     """Render, tokenize, check and submit `n` choices of a chat request: every API that speaks in conversations
     (chat completions, Responses, Messages) comes through here."""
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, ctx.max_tokens(max_tokens), top_n)
+    params = sampling_params(req, ctx.max_tokens(max_tokens), top_n, client)
     tools = tool_names(req)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []] if tools else None
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
@@ -143,7 +144,7 @@ async def submit_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix:
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
     ctx = server_of(raw)
     top_n = chat_top_logprobs(req)
-    chat = await submit_chat(ctx, req, "chatcmpl", top_n, req.n)
+    chat = await submit_chat(ctx, req, "chatcmpl", top_n, req.n, client_of(raw))
     model, prompt, tools, request_id, streams = chat.model, chat.prompt, chat.tools, chat.request_id, chat.streams
     events = chat_events(req, request_id, model, prompt, top_n, streams, tools) if req.stream else None
 

@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import CompletionChoice, CompletionReq
 from pagedllm.entrypoints.openai.serving import (
     ChoiceDelta,
     ServerContext,
+    client_of,
     finish_fields,
     respond,
     sampling_params,
@@ -44,7 +45,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
-    params = sampling_params(req, ctx.max_tokens(req.max_tokens), req.logprobs)
+    params = sampling_params(req, ctx.max_tokens(req.max_tokens), req.logprobs, client_of(raw))
     prompts = await completion_prompts(ctx, req)
     for ids in prompts:
         ctx.check_fits(len(ids), req.max_tokens)

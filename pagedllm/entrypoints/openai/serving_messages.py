@@ -27,7 +27,14 @@ from pagedllm.entrypoints.openai.protocol_messages import (
     TextOut,
     ToolUseOut,
 )
-from pagedllm.entrypoints.openai.serving import ChoiceDelta, SSEResponse, server_of, sse_event, stream_events
+from pagedllm.entrypoints.openai.serving import (
+    ChoiceDelta,
+    SSEResponse,
+    client_of,
+    server_of,
+    sse_event,
+    stream_events,
+)
 from pagedllm.entrypoints.openai.serving_chat import render_chat
 from pagedllm.entrypoints.openai.tool_calls import ToolCall, strict_json
 from pagedllm.outputs import CompletionOutput
@@ -129,7 +136,7 @@ def message_body(run: ChatRun, c: CompletionOutput) -> MessageResponse:
 @router.post("/v1/messages")
 async def create_message(req: MessagesRequest, raw: Request) -> Response:
     ctx = server_of(raw)
-    run = await chat_path.start_chat(ctx, chat_path.chat_request(chat_fields(req)), "msg")
+    run = await chat_path.start_chat(ctx, chat_path.chat_request(chat_fields(req)), "msg", client_of(raw))
     if req.stream:
         return SSEResponse(MessageEvents(run).events(), run.streams, ctx.stream_send_timeout)
     final = await chat_path.final_output(raw, run)

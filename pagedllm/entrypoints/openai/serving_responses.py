@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.serving import (
     ChoiceDelta,
     SSEResponse,
     cancel_all,
+    client_of,
     collect,
     server_of,
     sse_event,
@@ -103,7 +104,7 @@ def chat_fields(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[s
     fields: dict[str, Any] = {
         "model": req.model, "messages": instructions + messages, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
-        "response_format": response_format(req), "parallel_tool_calls": req.parallel_tool_calls}
+        "response_format": response_format(req), "parallel_tool_calls": req.parallel_tool_calls, "user": req.user}
     if req.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                            for t in req.tools]
@@ -192,7 +193,7 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     if req.background and (req.stream or not req.store):
         raise APIError(400, "background responses need store=true and stream=false", param="background")
     messages = [*previous_messages(store, req.previous_response_id), *input_messages(req)]
-    run = await start_chat(ctx, chat_request(chat_fields(req, messages)), "resp")
+    run = await start_chat(ctx, chat_request(chat_fields(req, messages)), "resp", client_of(raw))
     builder = ResponseBuilder(req, run, messages, store)
     if req.background:
         return json_response(start_background(builder))

@@ -38,6 +38,7 @@ const S = (window.dashboardState = {
   counts: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0 },
   peak: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0 }, // most blocks ever seen in each state
   requests: [],
+  clients: [], // per client, the most served first: requests, tokens, queue time, weighted service
   counters: {},
   events: [], // newest last
   eventCounts: {},
@@ -71,6 +72,7 @@ function applyFrame(f) {
   S.kvPolicy = f.kv_policy;
   if (f.model) S.model = f.model;
   S.requests = f.requests;
+  S.clients = f.clients || [];
   S.counters = f.counters;
   S.framesReceived += 1;
   if (f.full && f.history) {
@@ -361,15 +363,27 @@ function drawRequests() {
     const sel = r.request_id === S.selected ? " selected" : "";
     rows.push(`<tr class="req${sel}" data-id="${esc(r.request_id)}"><td class="id" title="${esc(r.request_id)}">${esc(short(r.request_id))}</td>
       <td><span class="status st-${esc(r.status)}">${esc(r.status)}</span></td>
+      <td class="who" title="client · priority">${esc(clientName(r.client))} · ${esc(r.priority ?? 0)}</td>
       <td class="prompt" title="${esc(r.prompt)}"><span class="muted">${esc(r.prompt_tokens)} tok${r.n > 1 ? ` · n=${esc(r.n)}` : ""} ·</span>
         ${esc(r.prompt) || '<span class="muted">–</span>'}</td>
       <td>${samples}</td></tr>`);
   }
-  $("requests").innerHTML = rows.length ? rows.join("") : `<tr><td colspan="4" class="empty">no requests in the engine</td></tr>`;
+  $("requests").innerHTML = rows.length ? rows.join("") : `<tr><td colspan="5" class="empty">no requests in the engine</td></tr>`;
   const c = S.counters;
   const listed = S.requests.length, total = (c.num_running || 0) + (c.num_waiting || 0);
   $("req-sub").textContent = `${fmt(c.num_running)} running · ${fmt(c.num_waiting)} waiting` +
     (listed < total ? ` (first ${listed} listed)` : "") + (S.selected ? " · click again to clear" : " · click one to highlight its blocks");
+}
+
+function clientName(c) {
+  return c ? short(c) : "(anonymous)";
+}
+
+function drawClients() {
+  const rows = S.clients.map((c) => `<tr><td title="${esc(c.client)}">${esc(clientName(c.client))}</td><td>${fmt(c.requests)}</td>
+    <td>${fmt(c.prompt_tokens)}</td><td>${fmt(c.output_tokens)}</td>
+    <td>${c.requests ? fmt(c.queue_time_s / c.requests, 2) + " s" : "–"}</td><td>${fmt(c.service)}</td></tr>`);
+  $("clients").innerHTML = rows.length ? rows.join("") : `<tr><td colspan="6" class="empty">no client served yet</td></tr>`;
 }
 
 function drawEvents() {
@@ -424,6 +438,7 @@ function render() {
     drawCounters(ser);
     drawChart(ser);
     drawRequests();
+    drawClients();
     drawEvents();
   }
 }
