@@ -268,7 +268,8 @@ def run_all(runs: Sequence[tuple[str, str]], argv: list[str], sessions: list[Ses
     """One server per run; restart replays the transcript of the ram+tier run of its policy on that run's tier."""
     out, transcripts = [], {}
     for policy, config in runs:
-        tier_dir = os.path.join(tier_root, policy)
+        tier_dir = os.path.join(tier_root, policy)  # one per policy: lpm's tier run does not start on fcfs's blocks
+        os.makedirs(tier_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"server-{config.replace('+', '-')}-{policy}.log")
         print(f"[{config}/{policy}] launching the server (log: {log_path})", file=sys.stderr)
         flags = [*argv, "--scheduling-policy", policy, *config_flags(config, tier_dir)]
