@@ -35,10 +35,10 @@ def main() -> None:
         for _ in range(ROUNDS):
             prefix = [rng.randrange(100, 49000) for _ in range(PREFIX)]
             tail = lambda: [rng.randrange(100, 49000) for _ in range(TAIL)]  # noqa: E731
-            llm.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
             times["recompute"].append(ttft(llm, prefix + tail()))
             llm.engine.flush_kv_tier()  # the prefix's blocks on disk
-            llm.reset_prefix_cache()  # the pool forgets them: the next prompt finds them in the tier only
+            llm.engine.reset_prefix_cache()  # the pool forgets them: the next prompt finds them in the tier only
             before = llm.engine.stats().kv_tier
             times["tier restore"].append(ttft(llm, prefix + tail()))
             after = llm.engine.stats().kv_tier
