@@ -197,6 +197,8 @@ class KVFileStore:
             return self._cond.wait_for(lambda: not self._pending_bytes, timeout)
 
     def _write_loop(self) -> None:
+        with _quietly():  # this thread only, on Linux: the steps' threads come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closing)

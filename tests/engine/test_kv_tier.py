@@ -130,3 +130,25 @@ def test_the_tier_needs_the_prefix_cache():
         EngineConfig(kv_offload_dir="/tmp/x", kv_policy="reserve-max")
     assert EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="32GiB").kv_offload_size == 32 << 30
     assert BLOCK_SIZE == 4
+
+
+@pytest.mark.slow
+def test_the_default_model_restores_a_chat_prefix_after_a_restart(tmp_path):
+    """SmolLM2-135M in fp32: a long system prompt computed by one engine comes back from the tier in the next, and
+    the greedy continuation is the same token for token."""
+    from pagedllm import LLM
+
+    system = "You are a careful assistant. " * 40
+    prompts = [f"{system}\nQuestion {i}: name a colour." for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], dict]:
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", kv_offload_dir=str(tmp_path / "tier"))
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        tier = llm.engine.stats().kv_tier
+        llm.engine.close()
+        return outs, tier
+
+    first, _ = run()
+    second, tier = run()
+    assert second == first and tier["hits"] > 0 and tier["read_errors"] == 0
