@@ -28,6 +28,7 @@ from pagedllm.model.model_runner import ModelRunner
 logger = logging.getLogger("pagedllm")
 
 FORMAT = 1  # of the payload's layout: [layers, 2 (K, V), block_size, heads, row] in the cache's dtype
+RESTORE_CHUNK = 32  # blocks read per copy into the pool: the staging buffer's size, kept (fresh pages cost faults)
 
 
 def model_identity(config: EngineConfig, runner: ModelRunner) -> bytes:
@@ -60,6 +61,7 @@ class KVTier:
         self.restored_blocks = 0
         self.restore_seconds = 0.0
         self.dropped = 0  # blocks let go that the write queue had no room for
+        self.staging: torch.Tensor | None = None  # [RESTORE_CHUNK, *block_shape], made by the first restore
 
     @classmethod
     def open(cls, config: EngineConfig, runner: ModelRunner) -> KVTier | None:
@@ -85,13 +87,20 @@ class KVTier:
     def restore(self, blocks: list[tuple[int, TierBlock]]) -> int:
         self.copy_out()  # the pool blocks about to be filled may hold K/V still to save
         start = time.perf_counter()
-        buf = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype)
-        raw = buf.view(torch.uint8).numpy().reshape(len(blocks), -1)
+        if self.staging is None:
+            self.staging = torch.empty((RESTORE_CHUNK, *self.block_shape), dtype=self.dtype)
+        raw = self.staging.view(torch.uint8).numpy().reshape(RESTORE_CHUNK, -1)
         done = 0
-        while done < len(blocks) and self._read(blocks[done][1], buf[done], raw[done]):
-            done += 1
-        if done:
-            self.runner.copy_blocks_in([block_id for block_id, _ in blocks[:done]], buf[:done])
+        for first in range(0, len(blocks), RESTORE_CHUNK):
+            chunk = blocks[first:first + RESTORE_CHUNK]
+            n = 0
+            while n < len(chunk) and self._read(chunk[n][1], self.staging[n], raw[n]):
+                n += 1
+            if n:
+                self.runner.copy_blocks_in([block_id for block_id, _ in chunk[:n]], self.staging[:n])
+            done += n
+            if n < len(chunk):
+                break
         self.restores += 1
         self.restored_blocks += done
         self.restore_seconds += time.perf_counter() - start

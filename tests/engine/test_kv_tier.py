@@ -57,7 +57,8 @@ def test_the_tier_changes_no_output_and_restores_evicted_prefixes(tiny_model_dir
     llm.engine.close()
 
 
-def test_a_restarted_engine_finds_the_prefixes_on_disk(tiny_model_dir, uncached, tmp_path):
+def test_a_restarted_engine_finds_the_prefixes_on_disk(tiny_model_dir, uncached, tmp_path, monkeypatch):
+    monkeypatch.setattr("pagedllm.engine.kv_offload.RESTORE_CHUNK", 3)  # restores of several chunks
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "tier"))
     assert generate_tokens(first, workload()[0], greedy(MAX_TOKENS)) == uncached[0]
     first.engine.close()  # its blocks let go are written, the directory is free for the next engine
