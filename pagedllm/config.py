@@ -35,6 +35,16 @@ def parse_memory(value: int | float | str) -> int:
     return int(number * {"k": 1 << 10, "m": 1 << 20, "g": GIB, "t": 1 << 40}[unit])
 
 
+def parse_size(value: str) -> int:
+    """--kv-offload-size: bytes from `32GiB`, `500M`, `64K` or a bare number of bytes."""
+    if re.fullmatch(r"\s*[0-9]+\s*", value):
+        return int(value)
+    try:
+        return parse_memory(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls run on AMX / AVX512-BF16 3-6x faster than fp32; elsewhere fp32 is the safe default."""
     try:
@@ -158,8 +168,15 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
     scheduling_policy: str = SchedulerConfig.scheduling_policy
     client_weights: dict[str, float] | None = SchedulerConfig.client_weights
+    # The prefix cache's second tier (docs/kv-tier.md): full blocks the pool lets go are saved to files in this
+    # directory, keyed by their prefix, and copied back on a later prefix hit instead of recomputed, across restarts;
+    # kv_offload_size bounds the directory (bytes, or a string such as "32GiB"), least recently used out
+    kv_offload_dir: str | None = None
+    kv_offload_size: int = 4 * GIB
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_offload_size, str):
+            self.kv_offload_size = parse_memory(self.kv_offload_size)
         self.validate()
         self.enable_prefix_caching = self.scheduler_config.enable_prefix_caching  # off under a reservation policy
 
@@ -187,6 +204,16 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
                              "default model (2.8x bf16's logprob error, docs/performance-log.md); use int8")
+        self._validate_kv_offload()
+
+    def _validate_kv_offload(self) -> None:
+        if self.kv_offload_dir is None:
+            return
+        if not self.scheduler_config.enable_prefix_caching:
+            raise ValueError("--kv-offload-dir is the prefix cache's second tier: it needs prefix caching on "
+                             "(--enable-prefix-caching, --kv-policy paged)")
+        if not isinstance(self.kv_offload_size, int) or self.kv_offload_size <= 0:
+            raise ValueError(f"kv_offload_size must be a positive number of bytes, got {self.kv_offload_size!r}")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -270,6 +297,12 @@ class EngineConfig:
                             "goes first)")
         g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
                        help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
+        g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                       help="the prefix cache's second tier: full KV blocks the pool lets go are kept in files here "
+                            "and copied back on a later prefix hit instead of recomputed, across restarts (needs "
+                            "prefix caching; docs/kv-tier.md)")
+        g.add_argument("--kv-offload-size", type=parse_size, default=d["kv_offload_size"].default, metavar="SIZE",
+                       help="bytes the --kv-offload-dir may hold, e.g. 32GiB or 500M (least recently used out)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

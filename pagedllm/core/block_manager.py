@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_events import KVRecorder
+from pagedllm.core.kv_tier import PrefixTier, TierBlock, chain_digest
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -21,10 +22,16 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
 
 @dataclass
 class Prefix:
-    """The cached full blocks a new sequence can start from, and their hashes."""
+    """The cached full blocks a new sequence can start from, and their hashes; then the blocks after them that the
+    second tier holds (restored into fresh blocks when the sequence starts)."""
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    restore: list[TierBlock] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.restore)
 
 
 @dataclass
@@ -51,6 +58,9 @@ class BlockManager:
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0  # tokens of new sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there
+        self.tier: PrefixTier | None = None  # the second tier (core/kv_tier.py), set by the engine
+        self.tier_hits = 0  # full blocks of new sequences restored from the tier
+        self.tier_misses = 0  # full blocks of new sequences found in neither the pool nor the tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,20 +79,25 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> Prefix:
-        """The longest run of cached full blocks of `token_ids`, leaving at least the last token to compute."""
+        """The longest run of cached full blocks of `token_ids`, leaving at least the last token to compute: those in
+        the pool, then those the second tier holds (checked by name, nothing read)."""
         prefix = Prefix()
         if not self.enable_prefix_caching:
             return prefix
-        bs, parent_hash, parent_cid = self.block_size, None, -1
+        bs, parent_hash, parent_cid, digest = self.block_size, None, -1, b""
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block(parent_hash, tokens)
-            block_id = self.pool.lookup(block_hash, (parent_cid, tokens))
-            if block_id is None:
+            block_id = None if prefix.restore else self.pool.lookup(block_hash, (parent_cid, tokens))
+            if block_id is not None:
+                prefix.blocks.append(block_id)
+                prefix.hashes.append(block_hash)
+                parent_cid, digest = self.pool.contents[block_id].cid, self.pool.contents[block_id].digest
+            elif self.tier is not None and self.tier.contains(digest := chain_digest(digest, tokens)):
+                prefix.restore.append(TierBlock(block_hash, tokens, digest))
+            else:
                 break
-            prefix.blocks.append(block_id)
-            prefix.hashes.append(block_hash)
-            parent_hash, parent_cid = block_hash, self.pool.contents[block_id].cid
+            parent_hash = block_hash
         return prefix
 
     def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
@@ -93,8 +108,9 @@ class BlockManager:
         for i in range(len(hashes), num_computed // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block(hashes[-1] if hashes else None, tokens)
-            parent_cid = self.pool.contents[table[i - 1]].cid if i else -1
-            self.pool.register(table[i], block_hash, (parent_cid, tokens))
+            parent = self.pool.contents[table[i - 1]] if i else None
+            digest = b"" if self.tier is None else chain_digest(parent.digest if parent else b"", tokens)
+            self.pool.register(table[i], block_hash, (parent.cid if parent else -1, tokens), digest)
             hashes.append(block_hash)
 
     # ---- allocation -------------------------------------------------------------------------------
@@ -111,8 +127,9 @@ class BlockManager:
     def can_allocate(self, seq_id: Hashable, num_tokens: int, start: int = 0) -> bool:
         return self.blocks_needed([Write(seq_id, start, num_tokens)]) <= self.pool.num_free
 
-    def share_prefix(self, seq_id: Hashable, prefix: Prefix, num_tokens: int) -> None:
-        """Start a new sequence of `num_tokens` tokens with its cached blocks (one more reference each)."""
+    def share_prefix(self, seq_id: Hashable, prefix: Prefix, num_tokens: int) -> int:
+        """Start a new sequence of `num_tokens` tokens with its cached blocks (one more reference each) and the
+        blocks restored from the second tier; the tokens it starts with (fewer than the prefix's if a read failed)."""
         assert seq_id not in self.block_tables
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
@@ -124,6 +141,29 @@ class BlockManager:
             self.pool.incref(block_id)
         self.block_tables[seq_id] = list(prefix.blocks)
         self.block_hashes[seq_id] = list(prefix.hashes)
+        if self.tier is not None and self.enable_prefix_caching:
+            restored = self._restore(seq_id, prefix.restore) if prefix.restore else 0
+            self.tier_hits += restored
+            self.tier_misses += (num_tokens - 1) // self.block_size - len(prefix.blocks) - restored
+        return len(self.block_tables[seq_id]) * self.block_size
+
+    def _restore(self, seq_id: Hashable, wanted: list[TierBlock]) -> int:
+        """Fresh blocks (taken after the shared ones, so they cannot evict them) filled by the tier and registered as
+        the table's next blocks; those whose read failed go back to the pool. How many were restored."""
+        table, hashes = self.block_tables[seq_id], self.block_hashes[seq_id]
+        taken = [self.pool.take() for _ in wanted]
+        assert self.tier is not None
+        restored = self.tier.restore(list(zip(taken, wanted)))
+        for block_id in taken[restored:]:
+            self.pool.release(block_id)
+        for block_id, block in zip(taken, wanted[:restored]):
+            parent_cid = self.pool.contents[table[-1]].cid if table else -1
+            self.pool.register(block_id, block.hash, (parent_cid, block.tokens), block.digest, restored=True)
+            table.append(block_id)
+            hashes.append(block.hash)
+        if restored:
+            self.recorder.record("restore", seq_id, blocks=tuple(taken[:restored]), tokens=restored * self.block_size)
+        return restored
 
     def allocate(self, seq_id: Hashable, num_tokens: int, start: int = 0) -> None:
         """Make tokens [start, num_tokens) writable: grow the table, and copy a shared block written into."""
@@ -158,10 +198,17 @@ class BlockManager:
         self.recorder.record("fork", child_id, blocks=tuple(table))
 
     def free(self, seq_id: Hashable) -> None:
-        """Return every block of the sequence; tail first, so the LRU evicts a sequence's tail before its head."""
+        """Return every block of the sequence; tail first, so the LRU evicts a sequence's tail before its head. The
+        second tier gets the registered blocks no one holds any more (head first)."""
         self.block_hashes.pop(seq_id, None)
-        for block_id in reversed(self.block_tables.pop(seq_id, [])):
+        table = self.block_tables.pop(seq_id, [])
+        for block_id in reversed(table):
             self.pool.release(block_id)
+        if self.tier is not None:
+            let_go = [(b, c.digest, c.key[1]) for b in table
+                      if self.pool.ref_counts[b] == 0 and (c := self.pool.contents.get(b)) is not None and c.digest]
+            if let_go:
+                self.tier.offload(let_go)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """This step's block copies, for the model runner to perform before the forward."""

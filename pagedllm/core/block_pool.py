@@ -24,6 +24,8 @@ class BlockContent:
     hash: int
     key: tuple[int, tuple[int, ...]]  # (content id of the parent block, -1 for the first; this block's tokens)
     cid: int  # names this exact prefix: equal for two blocks only if their whole prefixes are equal
+    digest: bytes = b""  # its name in the second tier (core/kv_tier.chain_digest), when there is one
+    restored: bool = False  # its K/V came back from the second tier, not from a forward
 
 
 class BlockPool:
@@ -105,13 +107,14 @@ class BlockPool:
             return None
         return block_id
 
-    def register(self, block_id: int, block_hash: int, key: tuple[int, tuple[int, ...]]) -> int:
+    def register(self, block_id: int, block_hash: int, key: tuple[int, tuple[int, ...]], digest: bytes = b"",
+                 restored: bool = False) -> int:
         """Record a block that just became full; returns its content id. The first block with a hash stays
         the one found (a twin gets the same content id, so its children can be registered too)."""
         if block_id not in self.contents:
             twin = self.lookup(block_hash, key)
             cid = next(self._cids) if twin is None else self.contents[twin].cid
-            self.contents[block_id] = BlockContent(block_hash, key, cid)
+            self.contents[block_id] = BlockContent(block_hash, key, cid, digest, restored)
             self.cached.setdefault(block_hash, block_id)
         return self.contents[block_id].cid
 

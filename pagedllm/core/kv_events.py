@@ -9,13 +9,14 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-EVENT_KINDS = ("cow", "fork", "preempt", "prefix_hit", "evict", "reset")
+EVENT_KINDS = ("cow", "fork", "preempt", "prefix_hit", "evict", "reset", "restore")
 
 
 @dataclass(slots=True)
 class KVEvent:
     """One thing that happened to blocks. `blocks`: cow (source, copy); fork, prefix_hit and preempt the blocks
-    shared or freed; evict the block whose cached prefix went. `tokens`: a prefix hit's tokens found in the cache."""
+    shared or freed; evict the block whose cached prefix went; restore the blocks filled from the second tier.
+    `tokens`: a prefix hit's tokens found in the cache, or a restore's tokens."""
 
     index: int  # events are numbered from 0 in the order they happened
     step: int  # the scheduler step in which it happened

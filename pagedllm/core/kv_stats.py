@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import SequenceGroup
@@ -65,6 +65,9 @@ class EngineCounters:
     peak_num_running: int  # most sequences running in one step
     spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
     spec_accepted_tokens: int = 0
+    # the prefix cache's second tier (--kv-offload-dir), empty without one: blocks restored (hits) and not found
+    # (misses), bytes read and written, restore time, writes dropped (engine/kv_offload.py's KVTier.stats)
+    kv_tier: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_waste_fraction(self) -> float:

@@ -25,7 +25,8 @@ USED = 1  # held by one sequence
 SHARED = 2  # held by several (parallel samples, a common prefix): ref count > 1
 CACHED = 3  # no holder, but keeps a prefix the cache can hand out again until the pool needs the block
 RESERVED = 4  # held but storing no token yet: a contiguous reservation's unused part (core/baselines.py)
-STATE_NAMES = ("free", "used", "shared", "cached", "reserved")
+RESTORED = 5  # held, its K/V copied back from the second tier (--kv-offload-dir) rather than computed
+STATE_NAMES = ("free", "used", "shared", "cached", "reserved", "restored")
 
 MAX_EVENTS_PER_SNAPSHOT = 256
 MAX_WAITING_LISTED = 64  # a snapshot lists every running request and the first waiting ones
@@ -173,6 +174,9 @@ class KVView:
             return CACHED if block_id in self.pool.contents else FREE
         if block_id in reserved:
             return RESERVED
+        content = self.pool.contents.get(block_id)
+        if content is not None and content.restored:
+            return RESTORED
         return SHARED if rc > 1 else USED
 
     def _request_view(self, group: SequenceGroup, running: bool) -> RequestView:

@@ -96,7 +96,7 @@ class Scheduler:
             prefix = Prefix()
             if not self.block_manager.has_table(seq.seq_id):
                 prefix = self.block_manager.match_prefix(seq.token_ids)
-            start = len(prefix.blocks) * self.block_manager.block_size or seq.num_computed_tokens
+            start = prefix.num_blocks * self.block_manager.block_size or seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if n == 0:
                 break
@@ -128,7 +128,9 @@ class Scheduler:
         for seq, w in writes:
             seq.status = SequenceStatus.RUNNING
             if not bm.has_table(seq.seq_id):
-                bm.share_prefix(seq.seq_id, w.prefix, seq.num_tokens)
+                cached = bm.share_prefix(seq.seq_id, w.prefix, seq.num_tokens)
+                if cached < w.start:  # a second-tier read failed: compute from there, as many tokens as planned
+                    w.start, w.end = cached, cached + w.end - w.start
                 seq.num_computed_tokens = w.start
         for seq, w in writes:
             bm.allocate(seq.seq_id, w.end, w.start)

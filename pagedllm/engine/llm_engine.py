@@ -21,6 +21,7 @@ from pagedllm.core.service import ServiceLedger
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.isolation import EngineBrokenError as EngineBrokenError  # raised by step(), imported from here
 from pagedllm.engine.isolation import StepIsolation
+from pagedllm.engine.kv_offload import KVTier
 from pagedllm.engine.output_processor import Emitted, OutputProcessor, request_output
 from pagedllm.engine.step_timers import StepTimers
 from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
@@ -84,6 +85,9 @@ class LLMEngine:
         self.scheduler = make_scheduler(dataclasses.replace(config.scheduler_config, max_model_len=self.max_model_len),
                                         self.runner.num_blocks)
         self.block_manager = self.scheduler.block_manager
+        # the prefix cache's second tier (--kv-offload-dir): blocks the pool lets go, restored on a later prefix hit
+        self.kv_tier = KVTier.open(config, self.runner) if config.kv_offload_dir else None
+        self.block_manager.tier = self.kv_tier
         self.num_draft_tokens = 0  # proposed tokens verified, and those accepted (vLLM's spec_decode counters)
         self.num_accepted_tokens = 0
         self.kv_usage = KVUsage()
@@ -162,7 +166,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
         group = self.groups.get(request_id)
-        return self._abort(group) if group is not None else None
+        out = self._abort(group) if group is not None else None
+        self._save_when_idle()
+        return out
 
     def fail_running(self) -> list[RequestOutput]:
         """Abort every running request (after a failed step); their final outputs, blocks back in the pool."""
@@ -198,10 +204,24 @@ class LLMEngine:
     # ---- statistics and control -------------------------------------------------------------------
     def stats(self) -> EngineCounters:
         bm = self.block_manager
+        tier = {"hits": bm.tier_hits, "misses": bm.tier_misses, **self.kv_tier.stats()} if self.kv_tier else {}
         return EngineCounters(bm.prefix_cache_queries, bm.prefix_cache_hits, bm.pool.num_used,
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
                               self.scheduler.num_preemptions, **asdict(self.kv_usage),
-                              spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
+                              spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens,
+                              kv_tier=tier)
+
+    def flush_kv_tier(self, timeout: float | None = None) -> bool:
+        """Wait until the second tier has written every block let go so far (a benchmark or a test before it
+        restarts); True at once without a tier."""
+        return self.kv_tier.flush(timeout) if self.kv_tier else True
+
+    def close(self) -> None:
+        """Save what the second tier still holds and let go of its directory, so that another engine (this process's
+        or another's) writes it next; the engine is not used after. Without a tier, nothing to do."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = self.block_manager.tier = None
 
     def kv_snapshot(self, since: int | None = None) -> KVSnapshot:
         """The KV cache as plain data, for a dashboard or a trace: every held block and each request's block tables;
@@ -285,7 +305,13 @@ class LLMEngine:
         if self.observers:
             self._notify(StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,
                                     outputs))
+        self._save_when_idle()
         return outputs
+
+    def _save_when_idle(self) -> None:
+        """With nothing left to run, hand the second tier's writer what was let go (no next step would)."""
+        if self.kv_tier is not None and not self.scheduler.has_unfinished():
+            self.kv_tier.copy_out()
 
     def _start(self, plan: SchedulerOutput) -> int:
         """Stamp first-scheduled times; the blocks in use while the step holds them (for its StepRecord)."""
@@ -301,6 +327,8 @@ class LLMEngine:
         """Run the model over the plan, then advance its sequences (nothing advances if the model raises)."""
         if self.faults is not None:
             self.faults.check_model_step(plan)
+        if self.kv_tier is not None:  # blocks let go are copied out before the forward may overwrite them
+            self.kv_tier.copy_out()
         sampled = self.runner.execute(plan, self.output_processor.grammar_mask(plan))
         emitted = self._accept_drafts(plan, sampled) if sampled is not None else []
         with self.timer.part("schedule"):

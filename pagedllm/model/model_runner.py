@@ -196,6 +196,29 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's K and V in every layer, as the second tier stores it: [layers, 2, block_size, heads, row]."""
+        return (len(self.kv_caches), 2, *self.kv_caches[0][0].shape[1:])
+
+    def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of these blocks copied out of the pool, [layers, 2, len(block_ids), block_size, heads, row]: one
+        gather per cache tensor, so the pool may reuse the blocks at once."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        out = torch.empty((len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0][0].shape[1:]),
+                          dtype=self.kv_dtype)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            torch.index_select(k_cache, 0, index, out=out[layer, 0])
+            torch.index_select(v_cache, 0, index, out=out[layer, 1])
+        return out
+
+    def copy_blocks_in(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write K/V into these pool blocks: `blocks` is [len(block_ids), *kv_block_shape], one block after another."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache.index_copy_(0, index, blocks[:, layer, 0])
+            v_cache.index_copy_(0, index, blocks[:, layer, 1])
+
     def add_sequences(self, seqs: list[Sequence]) -> None:
         """Build each seeded sequence's generator when its request arrives, seeded `seed + index` for the index-th of
         n samples (its samples do not depend on its batch-mates, and the n samples differ): a seed torch refuses

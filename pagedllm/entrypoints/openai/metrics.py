@@ -27,6 +27,16 @@ stats_logger = logging.getLogger("pagedllm.stats")
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0]
+# The second tier's counters in engine.stats().kv_tier -> /metrics counters pagedllm:kv_tier_<name>_total.
+KV_TIER_COUNTERS = {
+    "hits": "KV blocks of new prompts restored from the second tier (--kv-offload-dir) instead of computed.",
+    "misses": "KV blocks of new prompts found in neither the prefix cache nor the second tier.",
+    "bytes_read": "Bytes read from the second tier's files.",
+    "bytes_written": "Bytes written to the second tier's files.",
+    "restore_seconds": "Time spent restoring KV blocks from the second tier (reads and copies into the pool).",
+    "writes_dropped": "KV blocks not saved to the second tier: its write queue was full or it could not write.",
+    "read_errors": "Second-tier files ignored when read: gone, truncated, corrupt or another model's.",
+}
 # The API a request came through, by the prefix of its id (serving_*.py's `submit(ctx, prefix, ...)`).
 ENDPOINTS = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions", "resp": "/v1/responses",
              "msg": "/v1/messages"}
@@ -80,6 +90,8 @@ class EngineStats(ServingObserver):
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks held by requests.")
         self.kv_blocks_cached_free = gauge(
             "kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix (reusable until evicted).")
+        self.kv_tier = {name: counter(f"kv_tier_{name}", doc) for name, doc in KV_TIER_COUNTERS.items()}
+        self.kv_tier_stored_bytes = gauge("kv_tier_stored_bytes", "Bytes in the second tier's directory.")
         self._request_success = Counter("pagedllm:request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self._endpoint_requests = Counter("pagedllm:endpoint_requests", "Finished requests, by the API they came "
@@ -99,6 +111,7 @@ class EngineStats(ServingObserver):
         self._seen_preemptions = 0
         self._seen_prefix_cache = (0, 0)  # the scheduler's (queries, hits) token counts at the last record
         self._seen_spec = (0, 0)  # the engine's (draft, accepted) token counts at the last record
+        self._seen_tier: dict[str, float] = {}  # the engine's kv_tier counters at the last record
         self._peak_running = 0
         self._idle = True
         self._start_interval(time.monotonic())
@@ -128,6 +141,7 @@ class EngineStats(ServingObserver):
             self._seen_preemptions = stats.preemptions
         self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
         self._record_spec_delta(getattr(stats, "spec_draft_tokens", 0), getattr(stats, "spec_accepted_tokens", 0))
+        self._record_kv_tier(getattr(stats, "kv_tier", None) or {})
         self._maybe_log_engine(stats.kv_cache_usage, running, waiting)
 
     def record_restart(self) -> None:
@@ -137,6 +151,7 @@ class EngineStats(ServingObserver):
         self._seen_preemptions = 0
         self._seen_prefix_cache = (0, 0)
         self._seen_spec = (0, 0)
+        self._seen_tier = {}
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Hook for automatic prefix caching (issue 3): each step's looked-up and hit token counts."""
@@ -155,6 +170,15 @@ class EngineStats(ServingObserver):
             self.spec_draft_tokens.inc(draft - seen_draft)
             self.spec_accepted_tokens.inc(accepted - seen_accepted)
             self._seen_spec = (draft, accepted)
+
+    def _record_kv_tier(self, tier: dict[str, float]) -> None:
+        for name, counter in self.kv_tier.items():
+            value = tier.get(name, 0)
+            if value > self._seen_tier.get(name, 0):
+                counter.inc(value - self._seen_tier.get(name, 0))
+                self._seen_tier[name] = value
+        if "stored_bytes" in tier:
+            self.kv_tier_stored_bytes.set(tier["stored_bytes"])
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         progress = self._progress.get(out.request_id)
