@@ -54,6 +54,7 @@ SERVER_FLAGS = ["--disable-log-requests", "--uvicorn-log-level", "warning"]
 TIER_FLAG = "--kv-offload-dir"
 HITS, QUERIES = "pagedllm:prefix_cache_hits_total", "pagedllm:prefix_cache_queries_total"
 TIER_PREFIX = "pagedllm:kv_tier"  # the second tier's counters, whatever they are named after it
+TIER_HITS = "pagedllm:kv_tier_hits_total"  # blocks copied back from the tier
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
          "home water room mother area money story fact month lot right study book eye job word business issue side "
@@ -190,8 +191,9 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[Session], w
     return {"log": log, "duration_s": duration, "before": before, "after": after, "transcript": transcript}
 
 
-def summarize(config: str, policy: str, run: dict[str, Any]) -> dict[str, Any]:
-    """TTFT of each session's first turn in the run and of its returning turns; throughput; what the server counted."""
+def summarize(config: str, policy: str, run: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """TTFT of each session's first turn in the run and of its returning turns; throughput; what the server counted
+    (the prefix cache's hits count RAM blocks only; blocks restored from the second tier count apart)."""
     log, duration = run["log"], run["duration_s"]
     first = {t.session: min(u.turn for u in log if u.session == t.session) for t in log}
     ok = [t for t in log if t.result.error is None and t.result.ttft_s is not None]
@@ -205,6 +207,7 @@ def summarize(config: str, policy: str, run: dict[str, Any]) -> dict[str, Any]:
     delta = {k: run["after"].get(k, 0.0) - run["before"].get(k, 0.0) for k in run["after"]}
     output = sum(t.result.output_tokens for t in ok)
     prompt = sum(t.result.prompt_tokens or 0 for t in ok)
+    restored = int(delta.get(TIER_HITS, 0)) * block_size
     return {
         "config": config, "policy": policy, "turns": len(log), "failed": len(log) - len(ok),
         "duration_s": round(duration, 2),
@@ -220,7 +223,8 @@ def summarize(config: str, policy: str, run: dict[str, Any]) -> dict[str, Any]:
         "prefix_cache_hit_rate": round(delta[HITS] / delta[QUERIES], 4) if delta.get(QUERIES) else None,
         # prompt tokens the server computed (a preempted request's again; without a cache, that the server counts
         # nothing of, every prompt token once): the work the cache saved is the difference
-        "computed_prompt_tokens": int(delta[QUERIES] - delta.get(HITS, 0)) if delta.get(QUERIES) else prompt,
+        "restored_prompt_tokens": restored,
+        "computed_prompt_tokens": int(delta[QUERIES] - delta.get(HITS, 0)) - restored if delta.get(QUERIES) else prompt,
         "preemptions": int(delta.get(PREEMPTIONS, 0)),
         "tier": {k: v for k, v in delta.items() if k.startswith(TIER_PREFIX) and k.endswith("_total")},
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -264,7 +268,7 @@ def config_flags(config: str, tier_dir: str) -> list[str]:
 
 
 def run_all(runs: Sequence[tuple[str, str]], argv: list[str], sessions: list[Session], w: Workload, log_dir: str,
-            tier_root: str, timeout: float) -> list[dict[str, Any]]:
+            tier_root: str, timeout: float, block_size: int) -> list[dict[str, Any]]:
     """One server per run; restart replays the transcript of the ram+tier run of its policy on that run's tier."""
     out, transcripts = [], {}
     for policy, config in runs:
@@ -279,7 +283,7 @@ def run_all(runs: Sequence[tuple[str, str]], argv: list[str], sessions: list[Ses
                                            if config == "restart" else None))
         if config == "ram+tier":
             transcripts[policy] = run["transcript"]
-        out.append(summarize(config, policy, run))
+        out.append(summarize(config, policy, run, block_size))
         s = out[-1]
         print(f"[{config}/{policy}] TTFT p50 first {s['first_p50_ttft_s']} s, returning {s['returning_p50_ttft_s']}"
               f" s; hit rate {s['prefix_cache_hit_rate']}", file=sys.stderr)
@@ -292,18 +296,20 @@ def shown(value: object) -> str:
 
 def print_result(result: dict[str, Any]) -> None:
     print(f"{'config':<10}{'policy':<8}{'turns':>6}{'first p50/p99 s':>18}{'return p50/p99 s':>18}"
-          f"{'chat/agent ret p50':>20}{'hit rate':>10}{'computed':>10}{'out tok/s':>11}")
+          f"{'chat/agent ret p50':>20}{'hit rate':>10}{'restored':>10}{'computed':>10}{'out tok/s':>11}")
     for r in result["runs"]:
         first = f"{shown(r['first_p50_ttft_s'])}/{shown(r['first_p99_ttft_s'])}"
         returning = f"{shown(r['returning_p50_ttft_s'])}/{shown(r['returning_p99_ttft_s'])}"
         kinds = f"{shown(r['chat_returning_p50_ttft_s'])}/{shown(r['agent_returning_p50_ttft_s'])}"
         print(f"{r['config']:<10}{r['policy']:<8}{r['turns'] - r['failed']:>6}{first:>18}{returning:>18}{kinds:>20}"
-              f"{shown(r['prefix_cache_hit_rate']):>10}{shown(r['computed_prompt_tokens']):>10}"
+              f"{shown(r['prefix_cache_hit_rate']):>10}{shown(r.get('restored_prompt_tokens')):>10}"
+              f"{shown(r['computed_prompt_tokens']):>10}"
               f"{shown(r['output_tokens_per_s']):>11}")
     for key, reason in result["skipped"].items():
         print(f"skipped {key}: {reason}")
-    print("first: each session's first turn in the run (after a restart: its first replayed turn); computed: prompt "
-          "tokens the server computed (a preempted request's again; no-cache: each once); "
+    print("first: each session's first turn in the run (after a restart: its first replayed turn); hit rate: the RAM "
+          "prefix cache's; restored: prompt tokens copied back from the second tier; computed: prompt tokens the "
+          "server computed (a preempted request's again; no-cache: each once); "
           f"KV pool {result['num_blocks']} blocks")
 
 
@@ -354,7 +360,7 @@ def cmd_sessions(args: argparse.Namespace, actions: Sequence[argparse.Action]) -
     with tempfile.TemporaryDirectory(prefix="pagedllm-tier-") as tmp:
         try:
             results = run_all(runs, argv, sessions, w, log_dir, getattr(args, "kv_offload_dir", None) or tmp,
-                              args.server_timeout)
+                              args.server_timeout, args.block_size)
         except RuntimeError as e:  # a server that would not start: its log says why
             print(f"error: {e}", file=sys.stderr)
             return 1
