@@ -69,6 +69,9 @@ class SchedulerConfig:
     # Counter: the client served least goes first); client_weights: each client's share under fair (default 1)
     scheduling_policy: str = "fcfs"
     client_weights: dict[str, float] | None = None
+    # LoRA adapters resident at once (slots of the model's adapter stack); a request whose adapter has no slot and
+    # finds none idle waits
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +99,8 @@ class SchedulerConfig:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be positive, got "
                              f"{self.speculative_disable_by_batch_size}")
@@ -157,6 +162,9 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
     scheduling_policy: str = SchedulerConfig.scheduling_policy
     client_weights: dict[str, float] | None = SchedulerConfig.client_weights
+    enable_lora: bool = False  # serve LoRA adapters (PEFT folders) on top of the base model
+    max_loras: int = SchedulerConfig.max_loras
+    max_lora_rank: int = 16  # the largest adapter rank accepted; every slot holds this rank (zeros pad smaller ones)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -183,6 +191,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
                              "default model (2.8x bf16's logprob error, docs/performance-log.md); use int8")
@@ -265,6 +275,13 @@ class EngineConfig:
         g.add_argument("--scheduling-policy", default=d["scheduling_policy"].default, choices=SCHEDULING_POLICIES,
                        help="who waits and who is preempted: fcfs (arrival order), priority (the request's priority, "
                             "lower first) or fair (per client, the API's `user`: the one served least goes first)")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT folders) over the base model, different ones in one batch")
+        g.add_argument("--max-loras", type=int, default=d["max_loras"].default,
+                       help="LoRA adapters resident at once; others wait until one is idle (then evicted, reloaded "
+                            "from its CPU copy when needed again)")
+        g.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"].default,
+                       help="the largest LoRA rank accepted (every resident slot holds this rank)")
         g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
                        help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
 
@@ -301,6 +318,7 @@ class ServerConfig:
     # max_tokens of a request that sets none (chat, or completions with `"max_tokens": null`); None: the rest of
     # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
     default_max_tokens: int | None = None
+    lora_modules: list[str] | None = None  # name=path of LoRA adapters served from the start (needs --enable-lora)
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
@@ -359,6 +377,10 @@ class ServerConfig:
                        help="max_tokens of a request that sets none (default: the rest of the context, as OpenAI and "
                             "vLLM; a small model can run to the end of it, thousands of tokens). A request's own "
                             "max_tokens is never capped by it")
+
+        g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served from the start, each as a model named NAME "
+                            "(needs --enable-lora); more at run time by POST /v1/load_lora_adapter")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:

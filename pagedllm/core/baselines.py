@@ -8,6 +8,7 @@ import sys
 from collections.abc import Hashable
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, blocks_for
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.policies import FairScheduler, PriorityScheduler
@@ -128,7 +129,10 @@ def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:
         speculation = (config.num_speculative_tokens, config.speculative_disable_by_batch_size) \
             if config.speculates else (0, 0)
         weights = {"client_weights": config.client_weights} if cls is FairScheduler else {}
-        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits, *speculation,
-                   **weights)
-    cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
-    return cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)
+        scheduler: Scheduler = cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits,
+                                   *speculation, **weights)
+    else:
+        cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
+        scheduler = cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)
+    scheduler.adapters = AdapterSlots(config.max_loras)
+    return scheduler

@@ -19,6 +19,12 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
+def root(lora_int_id: int) -> tuple[int | None, int]:
+    """The (hash, content id) a first block is chained to: the adapter's own, so that sequences of two adapters (or
+    of one and the base model) never share K/V; content ids of real blocks are >= 0."""
+    return (None, -1) if lora_int_id == 0 else (hash(("lora", lora_int_id)), -1 - lora_int_id)
+
+
 @dataclass
 class Prefix:
     """The cached full blocks a new sequence can start from, and their hashes."""
@@ -68,12 +74,13 @@ class BlockManager:
         return self.block_tables[seq_id]
 
     # ---- prefix cache -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> Prefix:
-        """The longest run of cached full blocks of `token_ids`, leaving at least the last token to compute."""
+    def match_prefix(self, token_ids: Sequence[int], lora_int_id: int = 0) -> Prefix:
+        """The longest run of cached full blocks of `token_ids` (computed with that adapter), leaving at least the
+        last token to compute."""
         prefix = Prefix()
         if not self.enable_prefix_caching:
             return prefix
-        bs, parent_hash, parent_cid = self.block_size, None, -1
+        bs, (parent_hash, parent_cid) = self.block_size, root(lora_int_id)
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block(parent_hash, tokens)
@@ -85,15 +92,17 @@ class BlockManager:
             parent_hash, parent_cid = block_hash, self.pool.contents[block_id].cid
         return prefix
 
-    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the blocks that the last step filled, so later sequences can find them."""
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int,
+                          lora_int_id: int = 0) -> None:
+        """Register the blocks that the last step filled, so later sequences (of the same adapter) can find them."""
         if not self.enable_prefix_caching:
             return
         table, hashes, bs = self.block_tables[seq_id], self.block_hashes.setdefault(seq_id, []), self.block_size
+        root_hash, root_cid = root(lora_int_id)
         for i in range(len(hashes), num_computed // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(hashes[-1] if hashes else None, tokens)
-            parent_cid = self.pool.contents[table[i - 1]].cid if i else -1
+            block_hash = hash_block(hashes[-1] if hashes else root_hash, tokens)
+            parent_cid = self.pool.contents[table[i - 1]].cid if i else root_cid
             self.pool.register(table[i], block_hash, (parent_cid, tokens))
             hashes.append(block_hash)
 

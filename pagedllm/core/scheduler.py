@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, Prefix, Write
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -53,6 +54,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_running = speculative_max_running
         self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
+        self.adapters = AdapterSlots()  # resident LoRA adapters (make_scheduler gives it slots with enable_lora)
 
     def schedule(self) -> SchedulerOutput:
         self.block_manager.recorder.step += 1
@@ -68,6 +70,7 @@ class Scheduler:
                     self._run(group, writes, out)
         self._admit_waiting(out)
         out.copies = self.block_manager.take_copies()
+        out.lora_loads = self.adapters.take_loads()
         return out
 
     def _may_speculate(self) -> bool:
@@ -95,7 +98,7 @@ class Scheduler:
         for seq in group.live_seqs:
             prefix = Prefix()
             if not self.block_manager.has_table(seq.seq_id):
-                prefix = self.block_manager.match_prefix(seq.token_ids)
+                prefix = self.block_manager.match_prefix(seq.token_ids, seq.lora_int_id)
             start = len(prefix.blocks) * self.block_manager.block_size or seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if n == 0:
@@ -146,7 +149,9 @@ class Scheduler:
         return self.running[-1]
 
     def _seats_for_next(self) -> bool:
-        return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs
+        """Seats for the next waiting group, and a slot for its adapter (else it waits, FCFS, until one is idle)."""
+        return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs \
+            and self.adapters.can_acquire(self.waiting[0].lora_int_id)
 
     def _blocks_to_admit(self, group: SequenceGroup, writes: Writes) -> int:
         """Free blocks a waiting group needs to start: those of its first chunk."""
@@ -156,6 +161,7 @@ class Scheduler:
         self.waiting.popleft()
         group.status = SequenceStatus.RUNNING
         self.running.append(group)
+        self.adapters.acquire(group.lora_int_id)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """The n - 1 other samples share every block of the prefilled prompt."""
@@ -184,6 +190,7 @@ class Scheduler:
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Free the group's blocks and requeue it at the front; it recomputes its tokens when it returns."""
         self.running.remove(group)
+        self.adapters.release(group.lora_int_id)
         out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq in group.seqs)
         out.scheduled = [s for s in out.scheduled if s.seq not in group.seqs]
         bm = self.block_manager
@@ -209,7 +216,7 @@ class Scheduler:
             for seq in s.samplers or [s.seq]:
                 seq.num_computed_tokens = s.end
                 tokens = seq.token_ids + s.draft if s.draft else seq.token_ids
-                self.block_manager.cache_full_blocks(seq.seq_id, tokens, s.end)
+                self.block_manager.cache_full_blocks(seq.seq_id, tokens, s.end, seq.lora_int_id)
 
     def finish(self, group: SequenceGroup) -> None:
         """Give back the blocks of the group's finished sequences; drop the group once all of them are."""
@@ -220,5 +227,6 @@ class Scheduler:
             return
         if group in self.running:
             self.running.remove(group)
+            self.adapters.release(group.lora_int_id)
         elif group in self.waiting:
             self.waiting.remove(group)
