@@ -165,6 +165,7 @@ class EngineConfig:
     enable_lora: bool = False  # serve LoRA adapters (PEFT folders) on top of the base model
     max_loras: int = SchedulerConfig.max_loras
     max_lora_rank: int = 16  # the largest adapter rank accepted; every slot holds this rank (zeros pad smaller ones)
+    max_cpu_loras: int | None = None  # adapters whose weights stay in memory when not resident (None: all)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -191,6 +192,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be positive, got {self.max_cpu_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.kv_cache_dtype == "fp8":
@@ -282,6 +285,9 @@ class EngineConfig:
                             "from its CPU copy when needed again)")
         g.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"].default,
                        help="the largest LoRA rank accepted (every resident slot holds this rank)")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters whose weights stay in memory when not resident, most recently used first "
+                            "(default: all); others are read from their folder again")
         g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
                        help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
 

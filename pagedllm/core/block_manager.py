@@ -57,6 +57,7 @@ class BlockManager:
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0  # tokens of new sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there
+        self.adapter_blocks: dict[int, list[int]] = {}  # resident LoRA adapter -> the blocks its weights count as
 
     @property
     def num_free_blocks(self) -> int:
@@ -172,6 +173,24 @@ class BlockManager:
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             self.pool.release(block_id)
 
+    # ---- LoRA adapters in the pool (S-LoRA's unified paging) ---------------------------------------------------------
+    def hold_adapter(self, lora_int_id: int, num_blocks: int) -> None:
+        """A resident adapter's weights take `num_blocks` of the pool (the KV cache has that much less)."""
+        blocks = [self.pool.take() for _ in range(num_blocks)]
+        self.adapter_blocks[lora_int_id] = blocks
+        self.recorder.record("adapter_load", lora_int_id, blocks=tuple(blocks))
+
+    def release_adapter(self, lora_int_id: int) -> None:
+        """An evicted adapter's blocks go back to the pool."""
+        blocks = self.adapter_blocks.pop(lora_int_id, [])
+        for block_id in blocks:
+            self.pool.release(block_id)
+        self.recorder.record("adapter_evict", lora_int_id, blocks=tuple(blocks))
+
+    @property
+    def num_adapter_blocks(self) -> int:
+        return sum(map(len, self.adapter_blocks.values()))
+
     def take_copies(self) -> list[tuple[int, int]]:
         """This step's block copies, for the model runner to perform before the forward."""
         copies, self.copies = self.copies, []
@@ -190,6 +209,6 @@ class BlockManager:
     def check(self) -> None:
         """DESIGN.md's invariants: each ref count equals the number of tables holding the block."""
         self.pool.check()
-        holders = Counter(b for table in self.block_tables.values() for b in table)
+        holders = Counter(b for table in (*self.block_tables.values(), *self.adapter_blocks.values()) for b in table)
         for block_id, rc in enumerate(self.pool.ref_counts):
             assert rc == holders.get(block_id, 0), f"block {block_id}: ref count {rc}, held {holders[block_id]}"

@@ -42,7 +42,7 @@ def slots_and_tokens(bm: BlockManager, num_stored: Mapping[Hashable, int]) -> tu
         unused += len(table) - full - (part > 0)
         if part:
             tails[table[full]] = bs - part
-    held = bm.pool.num_used * bs
+    held = (bm.pool.num_used - bm.num_adapter_blocks) * bs  # LoRA adapters' blocks hold no token slots
     return held, held - unused * bs - sum(tails.values())
 
 
@@ -65,6 +65,10 @@ class EngineCounters:
     peak_num_running: int  # most sequences running in one step
     spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
     spec_accepted_tokens: int = 0
+    lora_adapters_loaded: int = 0  # LoRA adapters registered (loaded from disk)
+    lora_adapters_resident: int = 0  # of those, holding a slot and blocks of the pool
+    lora_adapter_blocks: int = 0  # pool blocks the resident adapters' weights count as
+    lora_loads: int = 0  # adapters loaded into a slot (a first use, or again after an eviction)
 
     @property
     def kv_waste_fraction(self) -> float:

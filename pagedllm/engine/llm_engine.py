@@ -27,7 +27,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.loader import ModelConfig
 from pagedllm.model.loader import load_tokenizer as load_tokenizer  # entrypoints load tokenizers through the engine
-from pagedllm.model.loader.peft import LoRAAdapter
+from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError
 from pagedllm.model.model_runner import ModelRunner
 from pagedllm.model.sampler import SamplerOutput
 from pagedllm.model.timing import NO_TIMER, PartTimer
@@ -142,7 +142,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         ids = self.tokenize_prompt(prompt)
-        room = self.scheduler.seq_len_limit(params.n) - len(ids)
+        lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        room = self.scheduler.seq_len_limit(params.n, lora_int_id) - len(ids)
         if room < 1:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
@@ -150,7 +151,7 @@ class LLMEngine:
         matchers = self.structured.new_matchers(spec, params.n) if spec is not None else []
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                        RequestMetrics(arrival_time or time.time()), max_tokens=min(params.max_tokens or room, room),
-                       lora_int_id=lora_request.lora_int_id if lora_request is not None else 0)
+                       lora_int_id=lora_int_id)
         group = SequenceGroup.make(seq)
         self.runner.add_sequences(group.seqs)  # per-request state now: a failure is this request's
         self.groups[request_id] = group
@@ -175,11 +176,18 @@ class LLMEngine:
         off its event loop and off the engine's thread, then hands them to add_read_lora."""
         if not self.config.enable_lora:
             raise InvalidRequestError("LoRA adapters need enable_lora (--enable-lora)")
-        return self.runner.read_adapter(lora_request.lora_path)
+        adapter = self.runner.read_adapter(lora_request.lora_path)
+        blocks = self.runner.adapter_blocks(adapter)
+        if blocks >= self.block_manager.num_total_blocks:
+            raise LoRALoadError(f"{lora_request.lora_path}: the adapter's weights ({adapter.nbytes / 2**20:.1f} MiB) "
+                                f"would take {blocks} of the KV cache's {self.block_manager.num_total_blocks} blocks; "
+                                "raise --kv-cache-memory")
+        return adapter
 
     def add_read_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
-        """Register an adapter read by read_lora."""
-        self.runner.add_adapter(lora_request.lora_int_id, adapter)
+        """Register an adapter read by read_lora; its weights will count as blocks of the pool while resident."""
+        self.runner.add_adapter(lora_request.lora_int_id, adapter, lora_request.lora_path)
+        self.scheduler.adapters.sizes[lora_request.lora_int_id] = self.runner.adapter_blocks(adapter)
         self.loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -245,7 +253,10 @@ class LLMEngine:
         return EngineCounters(bm.prefix_cache_queries, bm.prefix_cache_hits, bm.pool.num_used,
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
                               self.scheduler.num_preemptions, **asdict(self.kv_usage),
-                              spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
+                              spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens,
+                              lora_adapters_loaded=len(self.loras),
+                              lora_adapters_resident=len(self.scheduler.adapters.slot_of),
+                              lora_adapter_blocks=bm.num_adapter_blocks, lora_loads=self.scheduler.adapters.num_loads)
 
     def kv_snapshot(self, since: int | None = None) -> KVSnapshot:
         """The KV cache as plain data, for a dashboard or a trace: every held block and each request's block tables;
@@ -388,7 +399,7 @@ class LLMEngine:
                 self._fail_request(group, error)
             else:
                 self._release_finished(group)
-        return [request_output(group) for group, _ in touched]
+        return [self._output(group) for group, _ in touched]
 
     def _fail_request(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """Abort the request and keep why, for pop_failed_requests; its final output."""
@@ -400,7 +411,10 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish("abort")
         self._release_finished(group)
-        return request_output(group)
+        return self._output(group)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        return request_output(group, self.loras.get(group.lora_int_id))
 
     def _release_finished(self, group: SequenceGroup) -> None:
         """Blocks, generators and detokenizers of finished samples go at once; the group when all are done."""

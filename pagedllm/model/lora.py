@@ -4,6 +4,8 @@ one slot form a segment, padded to the longest, and `bmm` runs all segments at o
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +100,37 @@ class LoRAStack:
         shrunk = torch.bmm(xs, a).mul_(batch.mask)  # pads' rows zeroed: they add nothing to token 0
         delta = torch.bmm(shrunk, b)
         return out.index_add_(0, batch.rows, delta.view(-1, out.shape[1]))
+
+
+class AdapterStore:
+    """Every registered adapter's folder and, for the `capacity` most recently used (None: all), its weights: the CPU
+    copy a slot is loaded from; an adapter whose copy was dropped is read from its folder again when next loaded."""
+
+    def __init__(self, read: Callable[[str], LoRAAdapter], capacity: int | None = None) -> None:
+        self.read = read
+        self.capacity = capacity
+        self.paths: dict[int, str] = {}
+        self.copies: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.num_reads = 0  # adapters read again from their folder
+
+    def add(self, lora_int_id: int, adapter: LoRAAdapter, path: str) -> None:
+        self.paths[lora_int_id] = path
+        self._keep(lora_int_id, adapter)
+
+    def remove(self, lora_int_id: int) -> None:
+        self.paths.pop(lora_int_id, None)
+        self.copies.pop(lora_int_id, None)
+
+    def get(self, lora_int_id: int) -> LoRAAdapter:
+        adapter = self.copies.get(lora_int_id)
+        if adapter is None:
+            adapter = self.read(self.paths[lora_int_id])
+            self.num_reads += 1
+        self._keep(lora_int_id, adapter)
+        return adapter
+
+    def _keep(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        self.copies[lora_int_id] = adapter
+        self.copies.move_to_end(lora_int_id)
+        while self.capacity is not None and len(self.copies) > self.capacity:
+            self.copies.popitem(last=False)

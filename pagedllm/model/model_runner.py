@@ -20,7 +20,7 @@ from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import ModelConfig, load_model
 from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_adapter
-from pagedllm.model.lora import LoRABatch, LoRAStack
+from pagedllm.model.lora import AdapterStore, LoRABatch, LoRAStack
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
@@ -73,7 +73,7 @@ class ModelRunner:
         self.generators: dict[Hashable, torch.Generator] = {}
         self.timer: PartTimer = NO_TIMER
         self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
-        self.adapters: dict[int, LoRAAdapter] = {}  # every registered LoRA adapter's weights (the CPU copy)
+        self.adapters = AdapterStore(self.read_adapter)  # every registered LoRA adapter's folder and CPU copy
         self.adapter_slots: dict[int, int] = {}  # resident adapter -> its slot in model.lora
 
     def set_timer(self, timer: PartTimer) -> None:
@@ -115,6 +115,7 @@ class ModelRunner:
             model.lora = LoRAStack(loaded.config, config.max_loras, config.max_lora_rank, dtype)
         runner = cls(model, num_blocks, config.block_size, eos, config.seed, kv_dtype)
         runner.governor = governor
+        runner.adapters.capacity = config.max_cpu_loras
         return runner, loaded.tokenizer, loaded.name
 
     @property
@@ -129,19 +130,24 @@ class ModelRunner:
             raise LoRALoadError("LoRA adapters need enable_lora (--enable-lora)")
         return load_peft_adapter(path, self.model.config, self.model.lora.max_rank, self.model.dtype)
 
-    def add_adapter(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
-        self.adapters[lora_int_id] = adapter
+    def add_adapter(self, lora_int_id: int, adapter: LoRAAdapter, path: str) -> None:
+        self.adapters.add(lora_int_id, adapter, path)
 
     def remove_adapter(self, lora_int_id: int) -> None:
         """Forget an adapter's weights (the scheduler has released its slot)."""
-        self.adapters.pop(lora_int_id, None)
+        self.adapters.remove(lora_int_id)
         self.adapter_slots.pop(lora_int_id, None)
+
+    def adapter_blocks(self, adapter: LoRAAdapter) -> int:
+        """KV blocks an adapter's weights count as in the pool (S-LoRA's unified paging), rounded up."""
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
+        return -(-adapter.nbytes // per_block)
 
     def load_adapters(self, loads: list[tuple[int, int]]) -> None:
         """Copy adapters into the slots the scheduler gave them, before the step that first runs them."""
         for lora_int_id, slot in loads:
             self.adapter_slots = {a: s for a, s in self.adapter_slots.items() if s != slot}
-            self.model.lora.load(slot, self.adapters[lora_int_id])
+            self.model.lora.load(slot, self.adapters.get(lora_int_id))
             self.adapter_slots[lora_int_id] = slot
 
     def lora_batch(self, scheduled: list[ScheduledSeq], lens: torch.Tensor) -> LoRABatch | None:

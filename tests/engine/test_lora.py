@@ -59,13 +59,15 @@ def check_mixed_batch(llm: LLM, references: dict) -> None:
                for request in references}
     assert len({tuple(map(tuple, o)) for o in outputs.values()}) == len(references), "an adapter changed nothing"
     llm.engine.check_invariants()
-    assert llm.engine.block_manager.pool.num_used == 0
+    bm = llm.engine.block_manager
+    assert bm.pool.num_used == bm.num_adapter_blocks > 0  # only the resident (now idle) adapters hold blocks
 
 
 @pytest.mark.parametrize("engine_args", [
     dict(max_loras=3, enable_prefix_caching=True),
     dict(max_loras=3, enable_prefix_caching=False, attention_backend="reference"),
-    dict(max_loras=1, num_blocks=12, max_num_batched_tokens=16),  # adapters wait for a slot; preemption
+    # adapters wait for a slot; adapter 3's weights take 44 of the 60 blocks while it is resident: preemption
+    dict(max_loras=1, num_blocks=60, max_num_batched_tokens=16),
 ], ids=["mixed-prefix-cache", "reference-path", "one-slot-small-pool"])
 def test_mixed_adapters_equal_peft(tiny_model_dir, adapters, engine_args):
     llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_lora_rank=16, **engine_args)
@@ -73,7 +75,30 @@ def test_mixed_adapters_equal_peft(tiny_model_dir, adapters, engine_args):
     slots = llm.engine.scheduler.adapters
     slots.check()
     if engine_args["max_loras"] == 1:
-        assert slots.num_evictions >= 2
+        assert slots.num_evictions >= 2 and llm.engine.stats().preemptions > 0
+
+
+def test_adapter_weights_are_paged_with_the_kv_cache(tiny_model_dir, adapters):
+    """A resident adapter holds blocks of the pool (its bytes / a KV block's, rounded up); idle, it gives them back
+    when the KV cache needs them, and is loaded again (same outputs) when a request needs it again."""
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=2, max_lora_rank=16,
+              num_blocks=60, max_num_batched_tokens=16, max_cpu_loras=1)
+    engine, bm = llm.engine, llm.engine.block_manager
+    big = next(r for r in adapters if r is not None and r.lora_int_id == 3)
+    prompt = prompts()[0]
+    first = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    assert bm.num_adapter_blocks == engine.scheduler.adapters.sizes[3] == 44  # 90,112 bytes / 2,048 per block
+    assert engine.stats().lora_adapters_resident == 1
+    long_prompt = [100 + i for i in range(60)]  # 18 blocks with its output: more than the 16 the adapter leaves
+    llm.generate({"prompt_token_ids": long_prompt}, greedy(MAX_TOKENS), use_tqdm=False)
+    assert bm.num_adapter_blocks == 0 and engine.scheduler.adapters.num_evictions == 1
+    other = next(r for r in adapters if r is not None and r.lora_int_id == 2)
+    llm.generate("hi", greedy(2), use_tqdm=False, lora_request=other)  # the CPU copy of adapter 3 goes (1 kept)
+    again = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert engine.runner.adapters.num_reads == 1  # read from its folder again
+    engine.check_invariants()
+    engine.scheduler.adapters.check()
 
 
 def test_one_step_runs_several_adapters(tiny_model_dir, adapters):
