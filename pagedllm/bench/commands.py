@@ -10,6 +10,7 @@ from pagedllm.bench import (
     fairness,
     kernels,
     latency,
+    lora,
     route,
     serve,
     sharing,
@@ -21,5 +22,5 @@ from pagedllm.bench import (
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness,
-                   kernels):
+                   kernels, lora):
         module.add_command(sub)
