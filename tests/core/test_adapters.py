@@ -84,3 +84,18 @@ def test_a_request_whose_adapter_has_no_slot_waits_and_later_ones_go_first():
     assert set(scheduler.block_manager.adapter_blocks) == {2}
     scheduler.adapters.check()
     scheduler.block_manager.check()
+
+
+def test_the_kv_view_shows_adapter_blocks_as_their_own_state():
+    from pagedllm.core.kv_view import ADAPTER, KVView
+
+    scheduler = make_scheduler(SchedulerConfig(max_loras=1, block_size=4), num_blocks=40)
+    scheduler.adapters.sizes[1] = 3
+    scheduler.add(lora_group("a", 1))
+    view = KVView(scheduler)
+    scheduler.schedule()
+    snap = view.snapshot()
+    states = dict(zip(snap.blocks[0::3], snap.blocks[1::3]))
+    adapter_blocks = scheduler.block_manager.adapter_blocks[1]
+    assert [states[b] for b in adapter_blocks] == [ADAPTER] * 3 and snap.counters.adapter_blocks == 3
+    assert any(e.kind == "adapter_load" for e in snap.events)

@@ -121,3 +121,16 @@ def test_unknown_model_is_404(client: openai.OpenAI):
     with pytest.raises(openai.NotFoundError) as e:
         complete(client, "no-such-adapter")
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_metrics_count_requests_and_tokens_per_loaded_adapter(server: Server, client: openai.OpenAI):
+    complete(client, "a1")
+    text = httpx.get(f"{server.url}/metrics").text
+    lines = {line.split(" ")[0]: float(line.split(" ")[1])
+             for line in text.splitlines() if line.startswith("pagedllm:")}
+    requests = next(v for k, v in lines.items() if k.startswith("pagedllm:lora_requests_total") and 'a1"' in k)
+    tokens = next(v for k, v in lines.items() if k.startswith("pagedllm:lora_generation_tokens_total") and 'a1"' in k)
+    assert requests >= 1 and tokens >= 8
+    assert not any('lora_name="a2"' in k for k in lines)  # unloaded: its series are gone
+    assert next(v for k, v in lines.items() if k.startswith("pagedllm:lora_adapters_loaded")) >= 1
+    assert next(v for k, v in lines.items() if k.startswith("pagedllm:lora_adapter_blocks")) > 0

@@ -96,7 +96,7 @@ function historyPoint(f) {
 }
 
 function recount() {
-  const counts = [0, 0, 0, 0, 0];
+  const counts = STATES.map(() => 0);
   for (let i = 0; i < S.states.length; i++) counts[S.states[i]]++;
   STATES.forEach((name, i) => {
     S.counts[name] = counts[i];
