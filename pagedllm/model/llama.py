@@ -173,7 +173,7 @@ class LlamaModel:
                 lora: LoRABatch | None) -> torch.Tensor:
         """A layer's matmul, plus its adapters' deltas when the step has any."""
         out = self.ops.linear(x, weight, bias)
-        if lora is None or self.lora is None:
+        if lora is None or self.lora is None or kind not in lora.kinds:
             return out
         return self.lora.add_delta(out, x, layer, kind, lora)
 

@@ -25,9 +25,11 @@ class LoRABatch:
     rows: torch.Tensor  # int64 [S * L]: the token of each segment position (pads point at token 0)
     mask: torch.Tensor  # [S, L, 1]: 1 for a real token, 0 for a pad
     num_slots: int  # S: the slots from first to the highest one in the step
+    kinds: frozenset[str] = frozenset(FUSED)  # the fused matmuls some adapter of the step targets (others: no op)
 
     @classmethod
-    def build(cls, token_slots: torch.Tensor, dtype: torch.dtype) -> LoRABatch | None:
+    def build(cls, token_slots: torch.Tensor, dtype: torch.dtype,
+              kinds: frozenset[str] = frozenset(FUSED)) -> LoRABatch | None:
         """From each token's slot (-1: no adapter); None when no token has one (the base path runs alone)."""
         tokens = (token_slots >= 0).nonzero().squeeze(1)
         if len(tokens) == 0:
@@ -44,7 +46,7 @@ class LoRABatch:
         rows[slots, position] = tokens
         mask = torch.zeros(len(counts), length, 1, dtype=dtype)
         mask[slots, position] = 1
-        return cls(first, rows.view(-1), mask, len(counts))
+        return cls(first, rows.view(-1), mask, len(counts), kinds)
 
 
 class LoRAStack:
@@ -68,6 +70,7 @@ class LoRAStack:
             self.a.append(a)
             self.b.append(b)
         self.offsets = {kind: self._offsets(config, projections) for kind, projections in FUSED.items()}
+        self.kinds: list[frozenset[str]] = [frozenset()] * max_loras  # the fused matmuls each slot's adapter targets
 
     @staticmethod
     def _offsets(config: ModelConfig, projections: tuple[str, ...]) -> dict[str, tuple[int, int]]:
@@ -91,6 +94,7 @@ class LoRAStack:
             start, width = self.offsets[kind][projection]
             self.a[layer][kind][slot, :, j:j + rank] = a.T
             self.b[layer][kind][slot, j:j + rank, start:start + width] = b.T
+        self.kinds[slot] = frozenset(k for k, ps in FUSED.items() if any(p in ps for _, p in adapter.weights))
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str, batch: LoRABatch) -> torch.Tensor:
         """out[t] += B_slot(t) (A_slot(t) x[t]) for every token with an adapter, in place; returns out."""

@@ -154,8 +154,9 @@ class ModelRunner:
         """The step's tokens by adapter slot; None when no sequence of the step has an adapter."""
         if self.model.lora is None or not any(s.seq.lora_int_id for s in scheduled):
             return None
-        slots = torch.tensor([self.adapter_slots[s.seq.lora_int_id] if s.seq.lora_int_id else -1 for s in scheduled])
-        return LoRABatch.build(torch.repeat_interleave(slots, lens), self.model.dtype)
+        slots = [self.adapter_slots[s.seq.lora_int_id] if s.seq.lora_int_id else -1 for s in scheduled]
+        kinds = frozenset().union(*(self.model.lora.kinds[slot] for slot in set(slots) - {-1}))
+        return LoRABatch.build(torch.repeat_interleave(torch.tensor(slots), lens), self.model.dtype, kinds)
 
     def prepare(self, plan: SchedulerOutput,
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, LoRABatch | None]:
