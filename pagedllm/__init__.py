@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora_request",
     "serve_app": "pagedllm.entrypoints.serve_app",  # needs ray[serve]
 }
 __all__ = [*_EXPORTS, "__version__"]

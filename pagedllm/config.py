@@ -80,6 +80,9 @@ class SchedulerConfig:
     # window: core/lpm.py); client_weights: each client's share under fair (default 1)
     scheduling_policy: str = "fcfs"
     client_weights: dict[str, float] | None = None
+    # LoRA adapters resident at once (slots of the model's adapter stack); a request whose adapter has no slot and
+    # finds none idle waits
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +110,8 @@ class SchedulerConfig:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be positive, got "
                              f"{self.speculative_disable_by_batch_size}")
@@ -173,6 +178,10 @@ class EngineConfig:
     # kv_offload_size bounds the directory (bytes, or a string such as "32GiB"), least recently used out
     kv_offload_dir: str | None = None
     kv_offload_size: int = 4 * GIB
+    enable_lora: bool = False  # serve LoRA adapters (PEFT folders) on top of the base model
+    max_loras: int = SchedulerConfig.max_loras
+    max_lora_rank: int = 16  # the largest adapter rank accepted; every slot holds this rank (zeros pad smaller ones)
+    max_cpu_loras: int | None = None  # adapters whose weights stay in memory when not resident (None: all)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_offload_size, str):
@@ -201,6 +210,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be positive, got {self.max_cpu_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not supported: e4m3 keys and values fail the accuracy gate on the "
                              "default model (2.8x bf16's logprob error, docs/performance-log.md); use int8")
@@ -295,6 +308,16 @@ class EngineConfig:
                             "lower first), fair (per client, the API's `user`: the one served least goes first) or "
                             "lpm (the longest prefix already in the prefix cache first; a request overtaken 16 times "
                             "goes first)")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT folders) over the base model, different ones in one batch")
+        g.add_argument("--max-loras", type=int, default=d["max_loras"].default,
+                       help="LoRA adapters resident at once; others wait until one is idle (then evicted, reloaded "
+                            "from its CPU copy when needed again)")
+        g.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"].default,
+                       help="the largest LoRA rank accepted (every resident slot holds this rank)")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters whose weights stay in memory when not resident, most recently used first "
+                            "(default: all); others are read from their folder again")
         g.add_argument("--client-weights", type=load_client_weights, default=None, metavar="JSON_FILE",
                        help='each client\'s share under --scheduling-policy fair, as {"client": weight} (default 1)')
         g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
@@ -340,6 +363,7 @@ class ServerConfig:
     # the context, as OpenAI and vLLM do (vLLM's --override-generation-config '{"max_new_tokens": N}', llama.cpp's -n)
     default_max_tokens: int | None = None
     service_trace: str | None = None  # JSON lines of each client's service, step by step (entrypoints/service_trace.py)
+    lora_modules: list[str] | None = None  # name=path of LoRA adapters served from the start (needs --enable-lora)
 
     def __post_init__(self) -> None:
         for flag in ("max_waiting_requests", "max_request_bytes", "body_timeout", "stream_send_timeout",
@@ -407,6 +431,10 @@ class ServerConfig:
         g.add_argument("--service-trace", default=None, metavar="FILE",
                        help="write each client's service, step by step, as JSON lines (to check the fair policy's "
                             "bound; docs/fairness.md); not with --data-parallel-size")
+
+        g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served from the start, each as a model named NAME "
+                            "(needs --enable-lora); more at run time by POST /v1/load_lora_adapter")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:

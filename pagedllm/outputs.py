@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora_request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -45,6 +47,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
 
 
 @dataclass

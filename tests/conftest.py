@@ -183,3 +183,32 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_gguf_path(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny Llama of tiny_model_dir as an F32 GGUF file written like llama.cpp's converter."""
     return write_gguf(tiny_model_dir, str(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"))
+
+
+def make_peft_adapter(base_dir: str, path: str, seed: int, r: int = 8, lora_alpha: float = 16,
+                      targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"), use_rslora: bool = False) -> str:
+    """A random LoRA adapter for the model in `base_dir`, made and saved by PEFT itself (lora_B randomized: PEFT
+    initialises it to zero, an adapter that changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(targets),
+                                            use_rslora=use_rslora, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
+def peft_reference_model(base_dir: str, adapter_dir: str):
+    """transformers + PEFT with the adapter merged into the weights: the reference an adapter's outputs must equal."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()

@@ -10,6 +10,7 @@ from pagedllm.bench import (
     fairness,
     kernels,
     latency,
+    lora,
     route,
     serve,
     sessions,
@@ -22,5 +23,5 @@ from pagedllm.bench import (
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness,
-                   sessions, kernels):
+                   sessions, kernels, lora):
         module.add_command(sub)

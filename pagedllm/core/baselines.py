@@ -8,6 +8,7 @@ import sys
 from collections.abc import Hashable
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, blocks_for
 from pagedllm.core.lpm import LongestPrefixScheduler
 from pagedllm.core.plan import SchedulerOutput
@@ -72,7 +73,8 @@ class ReservingScheduler(Scheduler):
                                   self.seq_len_limit(len(group.seqs)))
 
     def _blocks_to_admit(self, group: SequenceGroup, writes: Writes) -> int:
-        return group.num_unfinished * blocks_for(self._reservation(group), self.block_manager.block_size)
+        return group.num_unfinished * blocks_for(self._reservation(group), self.block_manager.block_size) + \
+            self.adapters.blocks_to_acquire(group.lora_int_id)
 
     def _admit(self, group: SequenceGroup) -> None:
         super()._admit(group)
@@ -104,7 +106,7 @@ class StaticBatching(Scheduler):
         pending = 0  # blocks admitted groups will take later (a paged prompt's; a reservation is taken at once)
         while self._seats_for_next():
             group = self.waiting[0]
-            needed = self._blocks_to_admit(group, self._plan_writes(group, sys.maxsize))
+            needed = self._blocks_after_evicting_idle_adapters(group, self._plan_writes(group, sys.maxsize))
             free = self.block_manager.num_free_blocks
             if pending + needed > free:
                 break
@@ -130,7 +132,10 @@ def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:
         speculation = (config.num_speculative_tokens, config.speculative_disable_by_batch_size) \
             if config.speculates else (0, 0)
         weights = {"client_weights": config.client_weights} if cls is FairScheduler else {}
-        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits, *speculation,
-                   **weights)
-    cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
-    return cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)
+        scheduler: Scheduler = cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), *limits,
+                                   *speculation, **weights)
+    else:
+        cls = StaticReservingScheduler if config.batching == "static" else ReservingScheduler
+        scheduler = cls(ReservingBlockManager(num_blocks, config.block_size), *limits, kv_policy=config.kv_policy)
+    scheduler.adapters = AdapterSlots(config.max_loras, scheduler.block_manager)
+    return scheduler

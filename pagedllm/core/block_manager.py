@@ -20,6 +20,12 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
+def root(lora_int_id: int) -> tuple[int | None, int]:
+    """The (hash, content id) a first block is chained to: the adapter's own, so that sequences of two adapters (or
+    of one and the base model) never share K/V; content ids of real blocks are >= 0."""
+    return (None, -1) if lora_int_id == 0 else (hash(("lora", lora_int_id)), -1 - lora_int_id)
+
+
 @dataclass
 class Prefix:
     """The cached full blocks a new sequence can start from, and their hashes; then the blocks after them that the
@@ -61,6 +67,7 @@ class BlockManager:
         self.tier: PrefixTier | None = None  # the second tier (core/kv_tier.py), set by the engine
         self.tier_hits = 0  # full blocks of new sequences restored from the tier
         self.tier_misses = 0  # full blocks of new sequences found in neither the pool nor the tier
+        self.adapter_blocks: dict[int, list[int]] = {}  # resident LoRA adapter -> the blocks its weights count as
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,13 +85,15 @@ class BlockManager:
         return self.block_tables[seq_id]
 
     # ---- prefix cache -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> Prefix:
-        """The longest run of cached full blocks of `token_ids`, leaving at least the last token to compute: those in
-        the pool, then those the second tier holds (checked by name, nothing read)."""
+    def match_prefix(self, token_ids: Sequence[int], lora_int_id: int = 0) -> Prefix:
+        """The longest run of cached full blocks of `token_ids` (computed with that adapter), leaving at least the
+        last token to compute: those in the pool, then those the second tier holds (checked by name, nothing read;
+        the base model's blocks only: an adapter's id names nothing that outlives the process)."""
         prefix = Prefix()
         if not self.enable_prefix_caching:
             return prefix
-        bs, parent_hash, parent_cid, digest = self.block_size, None, -1, b""
+        bs, (parent_hash, parent_cid), digest = self.block_size, root(lora_int_id), b""
+        tier = self.tier if lora_int_id == 0 else None
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block(parent_hash, tokens)
@@ -93,24 +102,27 @@ class BlockManager:
                 prefix.blocks.append(block_id)
                 prefix.hashes.append(block_hash)
                 parent_cid, digest = self.pool.contents[block_id].cid, self.pool.contents[block_id].digest
-            elif self.tier is not None and self.tier.contains(digest := chain_digest(digest, tokens)):
+            elif tier is not None and tier.contains(digest := chain_digest(digest, tokens)):
                 prefix.restore.append(TierBlock(block_hash, tokens, digest))
             else:
                 break
             parent_hash = block_hash
         return prefix
 
-    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the blocks that the last step filled, so later sequences can find them."""
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int,
+                          lora_int_id: int = 0) -> None:
+        """Register the blocks that the last step filled, so later sequences (of the same adapter) can find them."""
         if not self.enable_prefix_caching:
             return
         table, hashes, bs = self.block_tables[seq_id], self.block_hashes.setdefault(seq_id, []), self.block_size
+        root_hash, root_cid = root(lora_int_id)
         for i in range(len(hashes), num_computed // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(hashes[-1] if hashes else None, tokens)
+            block_hash = hash_block(hashes[-1] if hashes else root_hash, tokens)
             parent = self.pool.contents[table[i - 1]] if i else None
-            digest = b"" if self.tier is None else chain_digest(parent.digest if parent else b"", tokens)
-            self.pool.register(table[i], block_hash, (parent.cid if parent else -1, tokens), digest)
+            tiered = self.tier is not None and lora_int_id == 0  # an adapter's blocks never go to the tier
+            digest = chain_digest(parent.digest if parent else b"", tokens) if tiered else b""
+            self.pool.register(table[i], block_hash, (parent.cid if parent else root_cid, tokens), digest)
             hashes.append(block_hash)
 
     # ---- allocation -------------------------------------------------------------------------------
@@ -210,6 +222,24 @@ class BlockManager:
             if let_go:
                 self.tier.offload(let_go)
 
+    # ---- LoRA adapters in the pool (S-LoRA's unified paging) ---------------------------------------------------------
+    def hold_adapter(self, lora_int_id: int, num_blocks: int) -> None:
+        """A resident adapter's weights take `num_blocks` of the pool (the KV cache has that much less)."""
+        blocks = [self.pool.take() for _ in range(num_blocks)]
+        self.adapter_blocks[lora_int_id] = blocks
+        self.recorder.record("adapter_load", lora_int_id, blocks=tuple(blocks))
+
+    def release_adapter(self, lora_int_id: int) -> None:
+        """An evicted adapter's blocks go back to the pool."""
+        blocks = self.adapter_blocks.pop(lora_int_id, [])
+        for block_id in blocks:
+            self.pool.release(block_id)
+        self.recorder.record("adapter_evict", lora_int_id, blocks=tuple(blocks))
+
+    @property
+    def num_adapter_blocks(self) -> int:
+        return sum(map(len, self.adapter_blocks.values()))
+
     def take_copies(self) -> list[tuple[int, int]]:
         """This step's block copies, for the model runner to perform before the forward."""
         copies, self.copies = self.copies, []
@@ -228,6 +258,6 @@ class BlockManager:
     def check(self) -> None:
         """DESIGN.md's invariants: each ref count equals the number of tables holding the block."""
         self.pool.check()
-        holders = Counter(b for table in self.block_tables.values() for b in table)
+        holders = Counter(b for table in (*self.block_tables.values(), *self.adapter_blocks.values()) for b in table)
         for block_id, rc in enumerate(self.pool.ref_counts):
             assert rc == holders.get(block_id, 0), f"block {block_id}: ref count {rc}, held {holders[block_id]}"

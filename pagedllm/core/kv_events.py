@@ -9,13 +9,14 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-EVENT_KINDS = ("cow", "fork", "preempt", "prefix_hit", "evict", "reset", "restore")
+EVENT_KINDS = ("cow", "fork", "preempt", "prefix_hit", "evict", "reset", "restore", "adapter_load", "adapter_evict")
 
 
 @dataclass(slots=True)
 class KVEvent:
     """One thing that happened to blocks. `blocks`: cow (source, copy); fork, prefix_hit and preempt the blocks
-    shared or freed; evict the block whose cached prefix went; restore the blocks filled from the second tier.
+    shared or freed; evict the block whose cached prefix went; restore the blocks filled from the second tier;
+    adapter_load / adapter_evict the blocks a LoRA adapter's weights took or gave back (`seq_id`: the adapter's id).
     `tokens`: a prefix hit's tokens found in the cache, or a restore's tokens."""
 
     index: int  # events are numbered from 0 in the order they happened

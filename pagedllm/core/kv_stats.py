@@ -42,7 +42,7 @@ def slots_and_tokens(bm: BlockManager, num_stored: Mapping[Hashable, int]) -> tu
         unused += len(table) - full - (part > 0)
         if part:
             tails[table[full]] = bs - part
-    held = bm.pool.num_used * bs
+    held = (bm.pool.num_used - bm.num_adapter_blocks) * bs  # LoRA adapters' blocks hold no token slots
     return held, held - unused * bs - sum(tails.values())
 
 
@@ -68,6 +68,10 @@ class EngineCounters:
     # the prefix cache's second tier (--kv-offload-dir), empty without one: blocks restored (hits) and not found
     # (misses), bytes read and written, restore time, writes dropped (engine/kv_offload.py's KVTier.stats)
     kv_tier: dict[str, float] = field(default_factory=dict)
+    lora_adapters_loaded: int = 0  # LoRA adapters registered (loaded from disk)
+    lora_adapters_resident: int = 0  # of those, holding a slot and blocks of the pool
+    lora_adapter_blocks: int = 0  # pool blocks the resident adapters' weights count as
+    lora_loads: int = 0  # adapters loaded into a slot (a first use, or again after an eviction)
 
     @property
     def kv_waste_fraction(self) -> float:

@@ -26,7 +26,8 @@ SHARED = 2  # held by several (parallel samples, a common prefix): ref count > 1
 CACHED = 3  # no holder, but keeps a prefix the cache can hand out again until the pool needs the block
 RESERVED = 4  # held but storing no token yet: a contiguous reservation's unused part (core/baselines.py)
 RESTORED = 5  # held, its K/V copied back from the second tier (--kv-offload-dir) rather than computed
-STATE_NAMES = ("free", "used", "shared", "cached", "reserved", "restored")
+ADAPTER = 6  # held by a resident LoRA adapter's weights (S-LoRA's unified paging: core/adapters.py)
+STATE_NAMES = ("free", "used", "shared", "cached", "reserved", "restored", "adapter")
 
 MAX_EVENTS_PER_SNAPSHOT = 256
 MAX_WAITING_LISTED = 64  # a snapshot lists every running request and the first waiting ones
@@ -77,6 +78,7 @@ class KVCounters:
     prefix_cache_hits: int
     prefix_cache_queries: int
     generated_tokens: int = 0  # filled in by the engine
+    adapter_blocks: int = 0  # held by resident LoRA adapters
 
 
 @dataclass
@@ -132,6 +134,7 @@ class KVView:
         changed = self.recorder.changes_since(mark.num_changes) if mark else None
         groups = self._listed_groups()
         reserved = self._reserved_blocks(groups)
+        adapters = {b for blocks in self.block_manager.adapter_blocks.values() for b in blocks}
         if mark is None or changed is None:
             full, blocks = True, [b for b, rc in enumerate(self.pool.ref_counts) if rc or b in self.pool.contents]
             events, dropped = self.recorder.events_since(0, MAX_EVENTS_PER_SNAPSHOT)
@@ -140,7 +143,7 @@ class KVView:
             events, dropped = self.recorder.events_since(mark.num_events, MAX_EVENTS_PER_SNAPSHOT)
         triples: list[int] = []
         for b in blocks:
-            triples += (b, self._state(b, reserved), self.pool.ref_counts[b])
+            triples += (b, ADAPTER if b in adapters else self._state(b, reserved), self.pool.ref_counts[b])
         requests = [self._request_view(g, running) for g, running in groups]
         if len(self.names) > 8192:  # forget the sequences that are gone
             live = {seq.seq_id for g, _ in groups for seq in g.seqs}
@@ -201,5 +204,5 @@ class KVView:
         bm, pool, s, counts = self.block_manager, self.pool, self.scheduler, self.recorder.counts
         return KVCounters(pool.num_blocks, pool.num_used, pool.num_cached_free, len(s.running), len(s.waiting),
                           bm.num_cow_copies, counts["fork"], s.num_preemptions, pool.num_evictions,
-                          bm.prefix_cache_hits, bm.prefix_cache_queries)
+                          bm.prefix_cache_hits, bm.prefix_cache_queries, adapter_blocks=bm.num_adapter_blocks)
 

@@ -25,12 +25,14 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    """The plan of one step; `copies` are copy-on-write (src, dst) blocks the runner copies before the forward."""
+    """The plan of one step; `copies` are copy-on-write (src, dst) blocks the runner copies before the forward, and
+    `lora_loads` the adapters it loads into their slots."""
 
     budget: int  # tokens still free in this step
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)  # (adapter, slot) to copy in before the forward
 
     @property
     def num_batched_tokens(self) -> int:

@@ -3,15 +3,18 @@ tokens each computes. The paper's baselines (static batching, contiguous reserva
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, Prefix, Write
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Writes = list[tuple[Sequence, Write]]
+SKIP_LOOKAHEAD = 256  # waiting groups looked through for one whose LoRA adapter can get a slot
 
 
 class WaitingQueue(Protocol):
@@ -53,6 +56,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_running = speculative_max_running
         self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
+        self.adapters = AdapterSlots(0, block_manager)  # resident LoRA adapters (make_scheduler gives it slots)
 
     def schedule(self) -> SchedulerOutput:
         self.block_manager.recorder.step += 1
@@ -68,6 +72,7 @@ class Scheduler:
                     self._run(group, writes, out)
         self._admit_waiting(out)
         out.copies = self.block_manager.take_copies()
+        out.lora_loads = self.adapters.take_loads()
         return out
 
     def _may_speculate(self) -> bool:
@@ -83,7 +88,7 @@ class Scheduler:
         while out.budget > 0 and not out.preempted and self._seats_for_next():
             group = self.waiting[0]
             writes = self._plan_writes(group, out.budget)
-            if self._blocks_to_admit(group, writes) > self.block_manager.num_free_blocks:
+            if self._blocks_after_evicting_idle_adapters(group, writes) > self.block_manager.num_free_blocks:
                 break
             self._admit(group)
             self._run(group, writes, out)
@@ -95,7 +100,7 @@ class Scheduler:
         for seq in group.live_seqs:
             prefix = Prefix()
             if not self.block_manager.has_table(seq.seq_id):
-                prefix = self.block_manager.match_prefix(seq.token_ids)
+                prefix = self.block_manager.match_prefix(seq.token_ids, seq.lora_int_id)
             start = prefix.num_blocks * self.block_manager.block_size or seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if n == 0:
@@ -116,6 +121,8 @@ class Scheduler:
     def _make_room(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> bool:
         """Preempt running groups (`_victim`: the newest) until `group` gets its blocks; False if `group` went."""
         while self.block_manager.blocks_needed([w for _, w in writes]) > self.block_manager.num_free_blocks:
+            if self.adapters.evict_idle_except(group.lora_int_id):  # an idle adapter's blocks go before a sequence's
+                continue
             victim = self._victim()
             self.preempt(victim, out)
             if victim is group:
@@ -148,16 +155,43 @@ class Scheduler:
         return self.running[-1]
 
     def _seats_for_next(self) -> bool:
-        return bool(self.waiting) and self.num_running_seqs + self.waiting[0].num_unfinished <= self.max_num_seqs
+        """Seats for the next waiting group, and a slot for its adapter."""
+        if not self.waiting:
+            return False
+        self._skip_adapters_without_slot()
+        head = self.waiting[0]
+        return self.num_running_seqs + head.num_unfinished <= self.max_num_seqs \
+            and self.adapters.can_acquire(head.lora_int_id)
+
+    def _skip_adapters_without_slot(self) -> None:
+        """Under FCFS, a head whose LoRA adapter can get no slot (every slot's adapter is running) lets the first
+        later group whose adapter can go first, as vLLM skips them; it keeps its place, first of the rest."""
+        if not isinstance(self.waiting, deque) or self.adapters.can_acquire(self.waiting[0].lora_int_id):
+            return
+        for group in itertools.islice(self.waiting, 1, SKIP_LOOKAHEAD):
+            if self.adapters.can_acquire(group.lora_int_id):
+                self.waiting.remove(group)
+                self.waiting.appendleft(group)
+                return
 
     def _blocks_to_admit(self, group: SequenceGroup, writes: Writes) -> int:
-        """Free blocks a waiting group needs to start: those of its first chunk."""
-        return self.block_manager.blocks_needed([w for _, w in writes])
+        """Free blocks a waiting group needs to start: those of its first chunk, and its adapter's if not resident."""
+        return self.block_manager.blocks_needed([w for _, w in writes]) + \
+            self.adapters.blocks_to_acquire(group.lora_int_id)
+
+    def _blocks_after_evicting_idle_adapters(self, group: SequenceGroup, writes: Writes) -> int:
+        """_blocks_to_admit, once idle adapters (not the group's own) have given their blocks back as far as the
+        group needs them: adapter weights no one runs are the pool's cheapest blocks to free."""
+        needed = self._blocks_to_admit(group, writes)
+        while needed > self.block_manager.num_free_blocks and self.adapters.evict_idle_except(group.lora_int_id):
+            needed = self._blocks_to_admit(group, writes)
+        return needed
 
     def _admit(self, group: SequenceGroup) -> None:
         self.waiting.popleft()
         group.status = SequenceStatus.RUNNING
         self.running.append(group)
+        self.adapters.acquire(group.lora_int_id)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """The n - 1 other samples share every block of the prefilled prompt."""
@@ -178,14 +212,17 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(g.num_unfinished for g in self.running)
 
-    def seq_len_limit(self, n: int) -> int:
-        """Tokens per sample such that n samples fit in the pool even unshared, so a group alone always runs."""
+    def seq_len_limit(self, n: int, lora_int_id: int = 0) -> int:
+        """Tokens per sample such that n samples fit in the pool even unshared (beside their adapter's blocks), so a
+        group alone always runs."""
         bm = self.block_manager
-        return min(self.max_model_len, bm.num_total_blocks // n * bm.block_size)
+        blocks = bm.num_total_blocks - self.adapters.sizes.get(lora_int_id, 0)
+        return min(self.max_model_len, blocks // n * bm.block_size)
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Free the group's blocks and requeue it at the front; it recomputes its tokens when it returns."""
         self.running.remove(group)
+        self.adapters.release(group.lora_int_id)
         out.budget += sum(s.num_new_tokens for s in out.scheduled if s.seq in group.seqs)
         out.scheduled = [s for s in out.scheduled if s.seq not in group.seqs]
         bm = self.block_manager
@@ -211,7 +248,7 @@ class Scheduler:
             for seq in s.samplers or [s.seq]:
                 seq.num_computed_tokens = s.end
                 tokens = seq.token_ids + s.draft if s.draft else seq.token_ids
-                self.block_manager.cache_full_blocks(seq.seq_id, tokens, s.end)
+                self.block_manager.cache_full_blocks(seq.seq_id, tokens, s.end, seq.lora_int_id)
 
     def finish(self, group: SequenceGroup) -> None:
         """Give back the blocks of the group's finished sequences; drop the group once all of them are."""
@@ -222,5 +259,6 @@ class Scheduler:
             return
         if group in self.running:
             self.running.remove(group)
+            self.adapters.release(group.lora_int_id)
         elif group in self.waiting:
             self.waiting.remove(group)

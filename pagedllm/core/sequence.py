@@ -40,6 +40,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples
+    lora_int_id: int = 0  # the LoRA adapter it runs with (0: the base model)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # the block manager's key, unique per process
     lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # for speculative decoding's proposals
 
@@ -108,7 +109,7 @@ class SequenceGroup:
     def make(cls, seq: Sequence) -> SequenceGroup:
         """The group for a request's first sequence: n - 1 unforked siblings with the same prompt."""
         siblings = [Sequence(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.params, seq.metrics,
-                             seq.max_tokens, index=i) for i in range(1, seq.params.n)]
+                             seq.max_tokens, index=i, lora_int_id=seq.lora_int_id) for i in range(1, seq.params.n)]
         return cls(seq.request_id, [seq, *siblings], forked=not siblings)
 
     @property
@@ -136,6 +137,10 @@ class SequenceGroup:
     @property
     def priority(self) -> int:
         return self.seqs[0].params.priority
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.seqs[0].lora_int_id
 
     @property
     def client(self) -> str | None:

@@ -33,6 +33,7 @@ from pagedllm.engine.protocol import (
     ServingObserver,
     SteppedEngine,
 )
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -227,8 +228,25 @@ class AsyncLLMEngine(EngineClient):
     def _restarting_message(self) -> str:
         return f"the engine failed ({self.restart_reason}) and is restarting; retry the request"
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read the adapter's files in a worker thread, then register it on the loop thread between steps."""
+        self.check_alive()
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora_request)
+        await self._call(self.engine.add_read_lora, lora_request, adapter)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        self.check_alive()
+        return await self._call(self.engine.remove_lora, lora_int_id)
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run `fn(*args)` on the loop thread between steps; its result (or error) on the returned future."""
+        future = asyncio.get_running_loop().create_future()
+        self._send(("call", fn, args, future))
+        return future
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> AsyncRequestStream:
+                    lora_request: LoRARequest | None = None, arrival_time: float | None = None,
+                    ) -> AsyncRequestStream:
         """Queue a request for the loop thread; its outputs (or its error) arrive on the returned stream.
         Admission (the waiting-queue bound) is the caller's `check_admission(num_seqs)`, once per request group."""
         self.check_alive()
@@ -236,7 +254,7 @@ class AsyncLLMEngine(EngineClient):
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = AsyncRequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, arrival_time or time.time()))
+        self._send(("add", request_id, prompt, params, arrival_time or time.time(), lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -329,11 +347,14 @@ class AsyncLLMEngine(EngineClient):
                 break
             drained = True
             if command[0] == "add":
-                _, request_id, prompt, params, arrival = command
+                _, request_id, prompt, params, arrival, lora_request = command
                 try:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                    lora = {"lora_request": lora_request} if lora_request is not None else {}
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival, **lora)
                 except Exception as e:  # validation: this request only
                     results.append((request_id, e))
+            elif command[0] == "call":
+                self._run_call(*command[1:])
             else:
                 out = self.engine.abort_request(command[1])
                 if out is not None:
@@ -344,6 +365,14 @@ class AsyncLLMEngine(EngineClient):
         if results:
             self._post(self._deliver, results)
         return drained
+
+    def _run_call(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future) -> None:
+        try:
+            result = fn(*args)
+        except Exception as e:  # the caller's error (a 400), never the engine's
+            self._post(settle, future, None, e)
+        else:
+            self._post(settle, future, result, None)
 
     def _step(self) -> None:
         """One engine step; a request it failed on gets its error instead of its last output."""
@@ -370,3 +399,13 @@ class AsyncLLMEngine(EngineClient):
     def _post(self, fn: Any, *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Give an event-loop future its result or error (unless its awaiter went away)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

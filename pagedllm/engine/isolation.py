@@ -79,4 +79,5 @@ def subplan(plan: SchedulerOutput, part: list[SequenceGroup]) -> SchedulerOutput
     seqs = {id(seq) for g in part for seq in g.seqs}
     scheduled = [s for s in plan.scheduled if id(s.seq) in seqs]
     own = {b for s in scheduled for b in s.block_table}
-    return SchedulerOutput(budget=0, scheduled=scheduled, copies=[c for c in plan.copies if c[1] in own])
+    return SchedulerOutput(budget=0, scheduled=scheduled, copies=[c for c in plan.copies if c[1] in own],
+                           lora_loads=plan.lora_loads)  # loading an adapter twice is harmless

@@ -26,8 +26,10 @@ from pagedllm.engine.output_processor import Emitted, OutputProcessor, request_o
 from pagedllm.engine.step_timers import StepTimers
 from pagedllm.engine.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.loader import ModelConfig
 from pagedllm.model.loader import load_tokenizer as load_tokenizer  # entrypoints load tokenizers through the engine
+from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError
 from pagedllm.model.model_runner import ModelRunner
 from pagedllm.model.sampler import SamplerOutput
 from pagedllm.model.timing import NO_TIMER, PartTimer
@@ -105,6 +107,7 @@ class LLMEngine:
         self.num_generated_tokens = 0  # every sample's, as /metrics' generation_tokens counts them
         self._kv_view: KVView | None = None  # made by the first kv_snapshot
         self._prompt_words: dict[str, str] = {}  # request id -> its prompt's first words, for kv_snapshot
+        self.loras: dict[int, LoRARequest] = {}  # the registered LoRA adapters by id
         logger.info("max_model_len %d", self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
@@ -130,10 +133,14 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int | None = None) -> Sequence:
+                    arrival_time: float | None = None, priority: int | None = None,
+                    lora_request: LoRARequest | None = None) -> Sequence:
         """Validate and queue a request; bad input raises InvalidRequestError and never reaches the scheduler.
-        `priority` (vLLM's argument) stands for params.priority."""
+        `priority` (vLLM's argument) stands for params.priority; `lora_request`: the adapter it runs with (loaded now
+        if its id is new)."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if priority is not None:
             params = dataclasses.replace(params, priority=priority)
         if request_id in self.groups:
@@ -141,7 +148,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         ids = self.tokenize_prompt(prompt)
-        room = self.scheduler.seq_len_limit(params.n) - len(ids)
+        lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        room = self.scheduler.seq_len_limit(params.n, lora_int_id) - len(ids)
         if room < 1:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens: {params.n} samples of it do not fit in the KV cache")
@@ -149,13 +157,59 @@ class LLMEngine:
         matchers = self.structured.new_matchers(spec, params.n) if spec is not None else []
         metrics = RequestMetrics(arrival_time or time.time(), client=params.client, priority=params.priority)
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, ids, params, metrics,
-                       max_tokens=min(params.max_tokens or room, room))
+                       max_tokens=min(params.max_tokens or room, room), lora_int_id=lora_int_id)
         group = SequenceGroup.make(seq)
         self.runner.add_sequences(group.seqs)  # per-request state now: a failure is this request's
         self.groups[request_id] = group
         self.output_processor.add(group.seqs, matchers)
         self.scheduler.add(group)
         return seq
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter, reading its folder now (LoRALoadError, a 400, if it cannot serve on this model);
+        False if its id is registered already."""
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known.lora_name != lora_request.lora_name:
+                raise InvalidRequestError(f"LoRA id {lora_request.lora_int_id} is adapter {known.lora_name!r}")
+            return False
+        self.add_read_lora(lora_request, self.read_lora(lora_request))
+        return True
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """An adapter's weights read and checked, without registering them: thread-safe, so a server reads files
+        off its event loop and off the engine's thread, then hands them to add_read_lora."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("LoRA adapters need enable_lora (--enable-lora)")
+        adapter = self.runner.read_adapter(lora_request.lora_path)
+        blocks = self.runner.adapter_blocks(adapter)
+        if blocks >= self.block_manager.num_total_blocks:
+            raise LoRALoadError(f"{lora_request.lora_path}: the adapter's weights ({adapter.nbytes / 2**20:.1f} MiB) "
+                                f"would take {blocks} of the KV cache's {self.block_manager.num_total_blocks} blocks; "
+                                "raise --kv-cache-memory")
+        return adapter
+
+    def add_read_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Register an adapter read by read_lora; its weights will count as blocks of the pool while resident."""
+        self.runner.add_adapter(lora_request.lora_int_id, adapter, lora_request.lora_path)
+        self.scheduler.adapters.sizes[lora_request.lora_int_id] = self.runner.adapter_blocks(adapter)
+        self.loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no request uses (InvalidRequestError if one does); False if it is not registered."""
+        if lora_int_id not in self.loras:
+            return False
+        users = [g.request_id for g in self.groups.values() if g.lora_int_id == lora_int_id]
+        if users or not self.scheduler.adapters.forget(lora_int_id):
+            raise InvalidRequestError(f"LoRA adapter {self.loras[lora_int_id].lora_name!r} is in use by "
+                                      f"{len(users)} request(s)")
+        self.runner.remove_adapter(lora_int_id)
+        del self.loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Compile a structured-output request's grammar ahead of add_request, which then finds it in the cache;
@@ -209,7 +263,10 @@ class LLMEngine:
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
                               self.scheduler.num_preemptions, **asdict(self.kv_usage),
                               spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens,
-                              kv_tier=tier)
+                              kv_tier=tier,
+                              lora_adapters_loaded=len(self.loras),
+                              lora_adapters_resident=len(self.scheduler.adapters.slot_of),
+                              lora_adapter_blocks=bm.num_adapter_blocks, lora_loads=self.scheduler.adapters.num_loads)
 
     def flush_kv_tier(self, timeout: float | None = None) -> bool:
         """Wait until the second tier has written every block let go so far (a benchmark or a test before it
@@ -376,7 +433,7 @@ class LLMEngine:
                 self._fail_request(group, error)
             else:
                 self._release_finished(group)
-        return [request_output(group) for group, _ in touched]
+        return [self._output(group) for group, _ in touched]
 
     def _fail_request(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """Abort the request and keep why, for pop_failed_requests; its final output."""
@@ -388,7 +445,10 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish("abort")
         self._release_finished(group)
-        return request_output(group)
+        return self._output(group)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        return request_output(group, self.loras.get(group.lora_int_id))
 
     def _release_finished(self, group: SequenceGroup) -> None:
         """Blocks, generators and detokenizers of finished samples go at once; the group when all are done."""

@@ -20,6 +20,7 @@ from pagedllm.engine.structured_output import (
     StructuredOutputManager,
     advance_grammar,
 )
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.sampler import GrammarMask, SamplerOutput
 from pagedllm.model.timing import NO_TIMER, PartTimer
 from pagedllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -173,11 +174,11 @@ def check_stop_strings(seq: Sequence, new_chars: int) -> None:
             return
 
 
-def request_output(group: SequenceGroup) -> RequestOutput:
+def request_output(group: SequenceGroup, lora_request: LoRARequest | None = None) -> RequestOutput:
     """What a request has so far, every sample of it."""
     first = group.seqs[0]
     return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids,
-                         [completion(seq) for seq in group.seqs], group.is_finished, first.metrics)
+                         [completion(seq) for seq in group.seqs], group.is_finished, first.metrics, lora_request)
 
 
 def completion(seq: Sequence) -> CompletionOutput:

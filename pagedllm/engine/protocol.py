@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.router import Router
     from pagedllm.engine.structured_output import CompiledGrammar
     from pagedllm.model.loader import ModelConfig
+    from pagedllm.model.loader.peft import LoRAAdapter
     from pagedllm.model.tokenizer import Tokenizer
 
 
@@ -88,7 +90,14 @@ class SteppedEngine(Protocol):
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence: ...
+                    arrival_time: float | None = None, priority: int | None = None,
+                    lora_request: LoRARequest | None = None) -> Sequence: ...
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter: ...  # thread-safe: reads the adapter's files
+
+    def add_read_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None: ...
+
+    def remove_lora(self, lora_int_id: int) -> bool: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
@@ -153,9 +162,20 @@ class EngineClient(Protocol):
         """Compile a structured-output grammar before its request is queued, off the event loop; a grammar the
         compiler refuses raises InvalidRequestError."""
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; its outputs (or its error) arrive on the returned stream. Admission is the caller's
-        `check_admission(num_seqs)`, once per request group."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (on a LoRA adapter added by add_lora, or the base model); its outputs (or its error)
+        arrive on the returned stream. Admission is the caller's `check_admission(num_seqs)`, once per request
+        group."""
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and register an adapter off the event loop; one that cannot serve on this model raises
+        InvalidRequestError (LoRALoadError) and changes nothing."""
+        raise InvalidRequestError("LoRA adapters are not supported with --data-parallel-size")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter that no request uses (InvalidRequestError if one does); False if it is unknown."""
+        raise InvalidRequestError("LoRA adapters are not supported with --data-parallel-size")
 
     def abort(self, request_id: str) -> None: ...
 
@@ -176,10 +196,11 @@ class EngineClient(Protocol):
                                  f"(--max-waiting-requests {bound}); retry later")
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """vLLM's shape: an async generator of outputs; closing it early aborts the request."""
         self.check_admission(params.n)
-        stream = self.add_request(request_id, prompt, params)
+        stream = self.add_request(request_id, prompt, params, lora_request) if lora_request is not None \
+            else self.add_request(request_id, prompt, params)
         try:
             async for out in stream:
                 yield out

@@ -135,8 +135,8 @@ class TraceFrame(_Strict):
     def blocks_in_the_pool(self) -> TraceFrame:
         if len(self.blocks) % 3:
             raise ValueError("blocks must be (block id, state, ref count) triples")
-        if any(b >= self.num_blocks for b in self.blocks[0::3]) or any(s > 5 for s in self.blocks[1::3]):
-            raise ValueError(f"a block id is not below num_blocks ({self.num_blocks}) or a state is not 0-5")
+        if any(b >= self.num_blocks for b in self.blocks[0::3]) or any(s > 6 for s in self.blocks[1::3]):
+            raise ValueError(f"a block id is not below num_blocks ({self.num_blocks}) or a state is not 0-6")
         return self
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -35,18 +36,20 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; prompts are text, token ids or {"prompt_token_ids": [...]}.
-        `priority`, one per prompt (lower first), counts under scheduling_policy="priority", as vLLM's."""
+        `priority`, one per prompt (lower first), counts under scheduling_policy="priority", as vLLM's;
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
-        priorities = list(priority) if priority is not None else [None] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        priorities = self._per_prompt(priority, len(prompts), "priorities")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else self._per_prompt(lora_request, len(prompts), "LoRA requests")
         ids: list[str] = []
         try:
-            for prompt, p, rank in zip(prompts, params, priorities):
-                ids.append(self._add(prompt, p, rank))
+            for prompt, p, rank, lora in zip(prompts, params, priorities, loras):
+                ids.append(self._add(prompt, p, rank, lora))
             finished = self._run(len(ids), use_tqdm)
         except BaseException:  # a bad prompt or an interrupt: nothing stays queued, no block stays taken
             for request_id in ids:
@@ -112,14 +115,23 @@ class LLM:
             return list(prompt["prompt_token_ids"])
         return self.engine.tokenize_prompt(prompt)
 
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int | None = None) -> str:
+    @staticmethod
+    def _per_prompt(values: Seq | None, n: int, what: str) -> list:
+        values = list(values) if values is not None else [None] * n
+        if len(values) != n:
+            raise ValueError(f"got {len(values)} {what} for {n} prompts")
+        return values
+
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int | None = None,
+             lora_request: LoRARequest | None = None) -> str:
         request_id = str(self._counter)
         self._counter += 1
         if isinstance(prompt, dict):
-            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params, priority=priority)
+            seq = self.engine.add_request(request_id, prompt["prompt_token_ids"], params, priority=priority,
+                                          lora_request=lora_request)
             seq.prompt = prompt.get("prompt")
         else:
-            self.engine.add_request(request_id, prompt, params, priority=priority)
+            self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
         return request_id
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -21,6 +21,7 @@ from pagedllm.model.layers import (
     swiglu,
 )
 from pagedllm.model.loader import ModelConfig, Q4Weight
+from pagedllm.model.lora import LoRABatch, LoRAStack
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 from pagedllm.model.timing import NO_TIMER, PartTimer
 
@@ -93,6 +94,7 @@ class LlamaModel:
         self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
+        self.lora: LoRAStack | None = None  # the resident adapters' weights (set by the runner with --enable-lora)
         self.set_timer(NO_TIMER)
 
     def set_timer(self, timer: PartTimer) -> None:
@@ -153,22 +155,33 @@ class LlamaModel:
                    for x in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRABatch | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step; `lora`: the step's tokens
+        by adapter slot (None: no token has an adapter, and no LoRA op runs)."""
         eps, ext, ops = self.config.rms_norm_eps, self.ext, self.ops
         residual = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         delta = None  # what the previous sublayer adds to it
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = ops.add_rms_norm(delta, residual, layer.input_norm, eps, ext)
-            delta = self._attention(layer, x, positions, meta, k_cache, v_cache)
+            delta = self._attention(i, layer, x, positions, meta, k_cache, v_cache, lora)
             x = ops.add_rms_norm(delta, residual, layer.post_norm, eps, ext)
-            delta = ops.linear(ops.swiglu(ops.linear(x, layer.gate_up_weight), ext), layer.down_weight)
+            h = ops.swiglu(self._linear(x, layer.gate_up_weight, None, i, "gate_up", lora), ext)
+            delta = self._linear(h, layer.down_weight, None, i, "down", lora)
         return ops.add_rms_norm(delta, residual, self.norm, eps, ext)
 
-    def _attention(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, layer: int, kind: str,
+                lora: LoRABatch | None) -> torch.Tensor:
+        """A layer's matmul, plus its adapters' deltas when the step has any."""
+        out = self.ops.linear(x, weight, bias)
+        if lora is None or self.lora is None or kind not in lora.kinds:
+            return out
+        return self.lora.add_delta(out, x, layer, kind, lora)
+
+    def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   lora: LoRABatch | None) -> torch.Tensor:
         c, ops = self.config, self.ops
-        qkv = ops.linear(x, layer.qkv_weight, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias, i, "qkv", lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_attention_heads, c.head_dim)
         k = k.view(-1, c.num_key_value_heads, c.head_dim)
@@ -177,7 +190,7 @@ class LlamaModel:
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
         o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                             self.scale, meta.max_query_len, backend=self.attention_backend)
-        return ops.linear(o.reshape(-1, self.q_size), layer.o_weight)
+        return self._linear(o.reshape(-1, self.q_size), layer.o_weight, None, i, "o", lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab]. In bf16 the lm_head's output is rounded to steps of 0.125 near typical logit

@@ -19,6 +19,8 @@ from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.layers import INT4_MAX_ROWS
 from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import ModelConfig, load_model
+from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_adapter
+from pagedllm.model.lora import AdapterStore, LoRABatch, LoRAStack
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
@@ -71,6 +73,8 @@ class ModelRunner:
         self.generators: dict[Hashable, torch.Generator] = {}
         self.timer: PartTimer = NO_TIMER
         self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
+        self.adapters = AdapterStore(self.read_adapter)  # every registered LoRA adapter's folder and CPU copy
+        self.adapter_slots: dict[int, int] = {}  # resident adapter -> its slot in model.lora
 
     def set_timer(self, timer: PartTimer) -> None:
         """Run the step's parts (and the model's kernels) as `timer`'s parts; NO_TIMER turns timing off."""
@@ -107,16 +111,57 @@ class ModelRunner:
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
                     INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
+        if config.enable_lora:
+            model.lora = LoRAStack(loaded.config, config.max_loras, config.max_lora_rank, dtype)
         runner = cls(model, num_blocks, config.block_size, eos, config.seed, kv_dtype)
         runner.governor = governor
+        runner.adapters.capacity = config.max_cpu_loras
         return runner, loaded.tokenizer, loaded.name
 
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
 
-    def prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids, positions, attention metadata and the rows whose logits are sampled, built once per step."""
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------------
+    def read_adapter(self, path: str) -> LoRAAdapter:
+        """An adapter folder read and checked against this model (LoRALoadError if it cannot serve here); touches no
+        state, so it may run on any thread."""
+        if self.model.lora is None:
+            raise LoRALoadError("LoRA adapters need enable_lora (--enable-lora)")
+        return load_peft_adapter(path, self.model.config, self.model.lora.max_rank, self.model.dtype)
+
+    def add_adapter(self, lora_int_id: int, adapter: LoRAAdapter, path: str) -> None:
+        self.adapters.add(lora_int_id, adapter, path)
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        """Forget an adapter's weights (the scheduler has released its slot)."""
+        self.adapters.remove(lora_int_id)
+        self.adapter_slots.pop(lora_int_id, None)
+
+    def adapter_blocks(self, adapter: LoRAAdapter) -> int:
+        """KV blocks an adapter's weights count as in the pool (S-LoRA's unified paging), rounded up."""
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
+        return -(-adapter.nbytes // per_block)
+
+    def load_adapters(self, loads: list[tuple[int, int]]) -> None:
+        """Copy adapters into the slots the scheduler gave them, before the step that first runs them."""
+        for lora_int_id, slot in loads:
+            self.adapter_slots = {a: s for a, s in self.adapter_slots.items() if s != slot}
+            self.model.lora.load(slot, self.adapters.get(lora_int_id))
+            self.adapter_slots[lora_int_id] = slot
+
+    def lora_batch(self, scheduled: list[ScheduledSeq], lens: torch.Tensor) -> LoRABatch | None:
+        """The step's tokens by adapter slot; None when no sequence of the step has an adapter."""
+        if self.model.lora is None or not any(s.seq.lora_int_id for s in scheduled):
+            return None
+        slots = [self.adapter_slots[s.seq.lora_int_id] if s.seq.lora_int_id else -1 for s in scheduled]
+        kinds = frozenset().union(*(self.model.lora.kinds[slot] for slot in set(slots) - {-1}))
+        return LoRABatch.build(torch.repeat_interleave(torch.tensor(slots), lens), self.model.dtype, kinds)
+
+    def prepare(self, plan: SchedulerOutput,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, LoRABatch | None]:
+        """input_ids, positions, attention metadata, the rows whose logits are sampled and the tokens by LoRA
+        adapter, built once per step."""
         scheduled = plan.scheduled
         starts = torch.tensor([s.start for s in scheduled], dtype=torch.int64)
         lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
@@ -141,7 +186,7 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(torch.int32),
             max_query_len=int(lens.max()),
         )
-        return input_ids, positions, meta, self.logit_rows(scheduled, query_start_loc)
+        return input_ids, positions, meta, self.logit_rows(scheduled, query_start_loc), self.lora_batch(scheduled, lens)
 
     @staticmethod
     def logit_rows(scheduled: list[ScheduledSeq], query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -164,11 +209,12 @@ class ModelRunner:
         if self.governor is not None:
             self.governor.tick()
         self.copy_blocks(plan.copies)
+        self.load_adapters(plan.lora_loads)
         with timer.part("prepare"):
-            input_ids, positions, meta, logit_rows = self.prepare(plan)
+            input_ids, positions, meta, logit_rows, lora = self.prepare(plan)
         self.prefault.run_ahead_of(int(meta.block_tables.max()))
         with timer.part("forward_rest"):
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         if len(logit_rows) == 0:
             return None
         seqs = plan.sampling_rows

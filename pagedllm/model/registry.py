@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     from pagedllm.model.llama import AttentionMetadata
     from pagedllm.model.loader import ModelConfig, Q4Weight
+    from pagedllm.model.lora import LoRABatch, LoRAStack
     from pagedllm.model.sampler import GrammarMask
 
 
@@ -45,12 +46,14 @@ class CausalLM(Protocol):
     dtype: torch.dtype
     ext: ModuleType | None  # the C++ kernels; None on the reference path (then top_logits is not called)
     int8: frozenset[str]  # the matmuls that run w8a8 in large steps
+    lora: LoRAStack | None  # the resident LoRA adapters (the runner sets it with enable_lora)
 
     @property
     def num_int4_matmuls(self) -> int: ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRABatch | None = None,
+                ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

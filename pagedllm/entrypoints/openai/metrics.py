@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +97,7 @@ class EngineStats(ServingObserver):
         self._endpoint_requests = Counter("pagedllm:endpoint_requests", "Finished requests, by the API they came "
                                           "through.", ["model_name", "endpoint"], registry=self.registry)
         self._model_name = model_name
+        self.lora = LoRAMetrics(self.registry, model_name, gauge)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
                                              LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.",
@@ -139,6 +140,7 @@ class EngineStats(ServingObserver):
         if stats.preemptions > self._seen_preemptions:
             self.num_preemptions.inc(stats.preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.preemptions
+        self.lora.record_engine(engine, stats)
         self._record_prefix_cache_delta(stats.prefix_cache_queries, stats.prefix_cache_hits)
         self._record_spec_delta(getattr(stats, "spec_draft_tokens", 0), getattr(stats, "spec_accepted_tokens", 0))
         self._record_kv_tier(getattr(stats, "kv_tier", None) or {})
@@ -194,6 +196,7 @@ class EngineStats(ServingObserver):
                 self.inter_token_latency.observe((now - progress.last_token_time) / new_tokens)
             self.generation_tokens.inc(new_tokens)
             self.by_client.record_tokens(progress.labels, new_tokens)
+            self.lora.record_tokens(out, new_tokens)
             self._interval_generation_tokens += new_tokens
             progress.num_tokens, progress.last_token_time = num_tokens, now
         if out.finished:
@@ -202,6 +205,7 @@ class EngineStats(ServingObserver):
             self._request_success.labels(self._model_name, reason).inc()
             self._endpoint_requests.labels(self._model_name, endpoint_of(out.request_id)).inc()
             self.by_client.record_finished(progress.labels)
+            self.lora.record_request(out)
             if m is not None:
                 self.e2e_request_latency.observe((m.finished_time or now) - m.arrival_time)
             log_finished_request(out, now)
@@ -240,6 +244,48 @@ class EngineStats(ServingObserver):
     def _start_interval(self, now: float) -> None:
         self._interval_start = now
         self._interval_prompt_tokens = self._interval_generation_tokens = 0
+
+
+class LoRAMetrics:
+    """Per LoRA adapter: finished requests and generated tokens, labelled by adapter name only while the adapter is
+    loaded (an unloaded one's series go, so the label set stays as small as the loaded adapters); and gauges of
+    loaded and resident adapters and the pool blocks their weights hold."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, gauge: Callable[[str, str], Any]) -> None:
+        labels = ["model_name", "lora_name"]
+        self.requests = Counter("pagedllm:lora_requests", "Finished requests per LoRA adapter.", labels,
+                                registry=registry)
+        self.tokens = Counter("pagedllm:lora_generation_tokens", "Tokens generated per LoRA adapter.", labels,
+                              registry=registry)
+        self.loaded = gauge("lora_adapters_loaded", "LoRA adapters loaded (their weights read and checked).")
+        self.resident = gauge("lora_adapters_resident", "LoRA adapters resident: a slot, and blocks of the KV pool.")
+        self.blocks = gauge("lora_adapter_blocks", "KV pool blocks the resident LoRA adapters' weights hold.")
+        self.model_name = model_name
+        self.names: set[str] = set()  # adapters with series
+
+    def record_tokens(self, out: RequestOutput, new_tokens: int) -> None:
+        if out.lora_request is not None:
+            self.names.add(out.lora_request.lora_name)
+            self.tokens.labels(self.model_name, out.lora_request.lora_name).inc(new_tokens)
+
+    def record_request(self, out: RequestOutput) -> None:
+        if out.lora_request is not None:
+            self.names.add(out.lora_request.lora_name)
+            self.requests.labels(self.model_name, out.lora_request.lora_name).inc()
+
+    def record_engine(self, engine: SteppedEngine, stats: Any) -> None:
+        """The gauges, and the series of adapters unloaded since dropped."""
+        self.loaded.set(getattr(stats, "lora_adapters_loaded", 0))
+        self.resident.set(getattr(stats, "lora_adapters_resident", 0))
+        self.blocks.set(getattr(stats, "lora_adapter_blocks", 0))
+        loaded = {r.lora_name for r in getattr(engine, "loras", {}).values()}
+        for name in self.names - loaded:
+            for counter in (self.requests, self.tokens):
+                try:
+                    counter.remove(self.model_name, name)
+                except KeyError:
+                    pass
+        self.names &= loaded
 
 
 def endpoint_of(request_id: str) -> str:

@@ -1,4 +1,5 @@
-"""The routes that generate nothing: /v1/models, /health, /metrics, /version, /tokenize, /detokenize (vLLM's).
+"""The routes that generate nothing: /v1/models (the base model's names and the LoRA adapters), /health, /metrics,
+/version, /tokenize, /detokenize (vLLM's).
 /tokenize and /detokenize are open without --api-key (and with it unless --api-key-utility-routes)."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ async def list_models(raw: Request) -> Response:
     ctx = server_of(raw)
     cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
              for name in ctx.model_names]
+    cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=ctx.model_names[0],
+                        max_model_len=ctx.max_model_len) for lora in ctx.loras.by_name.values()]
     return json_response(ModelList(data=cards))
 
 

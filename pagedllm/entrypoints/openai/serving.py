@@ -28,7 +28,9 @@ from pagedllm.entrypoints.openai.limits import (
 from pagedllm.entrypoints.openai.metrics import EngineStats, ReplicaSetStats
 from pagedllm.entrypoints.openai.protocol import MAX_N, ErrorResponse, SamplingRequest, UsageInfo, random_id
 from pagedllm.entrypoints.openai.response_format import structured_outputs_of
+from pagedllm.entrypoints.openai.serving_lora import LoRAModules
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import MAX_CLIENT_CHARS, SamplingParams
 
@@ -52,6 +54,11 @@ class ServerContext:
     utility_workers: WorkerPool = dataclasses.field(default_factory=utility_pool)
     stream_send_timeout: float = ServerConfig.stream_send_timeout
     default_max_tokens: int | None = ServerConfig.default_max_tokens
+    loras: LoRAModules | None = None  # the LoRA adapters served as models (made from model_names when None)
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            self.loras = LoRAModules(self.model_names)
 
     def max_tokens(self, asked: int | None) -> int | None:
         """A request's max_tokens, or the server's --default-max-tokens when it sets none (None: to the context's
@@ -67,7 +74,8 @@ class ServerContext:
         return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.model_names:
+        """The model a request names (the base model's names, or a LoRA adapter's); 404 for any other."""
+        if name is not None and name not in self.model_names and self.loras.get(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or self.model_names[0]
 
@@ -144,26 +152,27 @@ async def compile_grammar(engine: EngineClient, params: SamplingParams) -> None:
 
 
 async def submit(ctx: ServerContext, id_prefix: str, prompts: list[list[int]], params: SamplingParams,
-                 n: int) -> tuple[str, list[RequestStream]]:
+                 n: int, model: str | None = None) -> tuple[str, list[RequestStream]]:
     """A new request id and the streams of its choices: the grammar compiled first, then admission, then one engine
-    request per prompt."""
+    request per prompt, on the LoRA adapter `model` names if it names one."""
     await compile_grammar(ctx.engine, params)
     request_id = random_id(id_prefix)
     with engine_errors():
-        return request_id, submit_choices(ctx.engine, request_id, prompts, params, n)
+        return request_id, submit_choices(ctx.engine, request_id, prompts, params, n, ctx.loras.get(model))
 
 
 def submit_choices(engine: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   n: int) -> list[RequestStream]:
+                   n: int, lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """One engine request per prompt, sampling n choices in parallel over the prompt's shared KV blocks;
     choice index = prompt * n + sample (sample i of a seeded request draws from seed + i). Admission counts every
     sequence the request adds: prompts x n."""
     engine.check_admission(len(prompts) * n)
     streams: list[RequestStream] = []
+    lora = {"lora_request": lora_request} if lora_request is not None else {}
     try:
         for p, ids in enumerate(prompts):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-            streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, n=n)))
+            streams.append(engine.add_request(sub_id, ids, dataclasses.replace(params, n=n), **lora))
     except BaseException:
         cancel_all(streams)
         raise

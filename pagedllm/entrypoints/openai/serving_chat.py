@@ -136,7 +136,7 @@ async def submit_chat(ctx: ServerContext, req: ChatCompletionRequest, id_prefix:
     prompt = await ctx.tokenize(await render_chat(ctx, req.messages, req.add_generation_prompt, tool_dicts),
                                 "messages")
     ctx.check_fits(len(prompt), max_tokens)
-    request_id, streams = await submit(ctx, id_prefix, [prompt], params, n)
+    request_id, streams = await submit(ctx, id_prefix, [prompt], params, n, model)
     return SubmittedChat(model, prompt, tools, request_id, streams)
 
 

@@ -50,7 +50,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     for ids in prompts:
         ctx.check_fits(len(ids), req.max_tokens)
     echoes = [ctx.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
-    request_id, streams = await submit(ctx, "cmpl", prompts, params, req.n)
+    request_id, streams = await submit(ctx, "cmpl", prompts, params, req.n, model)
     events = completion_events(req, request_id, model, prompts, echoes, streams) if req.stream else None
 
     def body(finals: list[CompletionOutput]) -> CompletionResponse:

@@ -3,9 +3,9 @@
 // The page's whole state is window.dashboardState (tests read it).
 "use strict";
 
-const STATES = ["free", "used", "shared", "cached", "reserved", "restored"];
+const STATES = ["free", "used", "shared", "cached", "reserved", "restored", "adapter"];
 const COLORS = { free: "#e6e9ee", used: "#4c78a8", shared: "#f58518", cached: "#54a24b", reserved: "#eeca3b",
-                 restored: "#17becf" };
+                 restored: "#17becf", adapter: "#b279a2" };
 const SHARED_SHADES = ["#f8a145", "#f58518", "#d9650a", "#a94b05"]; // ref count 2, 3-4, 5-8, more
 const EVENT_TEXT = {
   cow: (e) => `copy-on-write: block ${e.blocks[0]} → ${e.blocks[1]}`,
@@ -15,6 +15,8 @@ const EVENT_TEXT = {
   evict: (e) => `evicted the cached prefix of block ${e.blocks[0]}`,
   reset: (e) => `prefix cache reset: ${e.blocks.length} blocks forgotten`,
   restore: (e) => `restored from the KV tier: ${e.tokens} tokens in ${e.blocks.length} blocks`,
+  adapter_load: (e) => `LoRA adapter ${e.seq_id} loaded: its weights take ${e.blocks.length} blocks`,
+  adapter_evict: (e) => `LoRA adapter ${e.seq_id} evicted: ${e.blocks.length} blocks back in the pool`,
 };
 const MAX_EVENTS = 400;
 const LIVE_WINDOW_S = 120;
@@ -37,8 +39,8 @@ const S = (window.dashboardState = {
   kvPolicy: "",
   states: new Uint8Array(0),
   refs: new Int32Array(0),
-  counts: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0, restored: 0 },
-  peak: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0, restored: 0 }, // most blocks ever seen in each state
+  counts: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0, restored: 0, adapter: 0 },
+  peak: { free: 0, used: 0, shared: 0, cached: 0, reserved: 0, restored: 0, adapter: 0 }, // most blocks ever seen in each state
   requests: [],
   clients: [], // per client, the most served first: requests, tokens, queue time, weighted service
   counters: {},
@@ -200,7 +202,8 @@ function drawPool() {
 function drawLegend() {
   const pct = (k) => (S.numBlocks ? ((100 * S.counts[k]) / S.numBlocks).toFixed(1) : "0.0");
   const labels = { free: "free", used: "used by one", shared: "shared (ref > 1)", cached: "cached prefix, free",
-                   reserved: "reserved, empty", restored: "held, restored from the KV tier" };
+                   reserved: "reserved, empty", restored: "held, restored from the KV tier",
+                   adapter: "LoRA adapter weights" };
   $("legend").innerHTML = STATES.map((k) =>
     `<span class="key" data-state="${k}"><span class="sw" style="background:${COLORS[k]}"></span>${labels[k]}
      <b>${S.counts[k]}</b><span class="muted">${pct(k)}%</span></span>`).join("");

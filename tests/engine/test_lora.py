@@ -1,0 +1,148 @@
+"""Batched multi-LoRA against transformers + PEFT: sequences of different adapters (and of none) run in one step,
+with prefix caching and preemption, and each greedy output equals its merged reference token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_peft_adapter, peft_reference_model
+from test_engine import assert_matches_reference, greedy, hf_greedy
+
+from pagedllm import LLM, LoRARequest
+from pagedllm.model.loader.peft import LoRALoadError
+
+MAX_TOKENS = 10
+ADAPTERS = [  # (seed, rank, alpha, targets, rsLoRA): ranks and targets differ, one scales by sqrt(r)
+    (1, 8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    (2, 4, 8, ("q_proj", "v_proj"), False),
+    (3, 16, 8, ("gate_proj", "up_proj", "down_proj", "o_proj"), True),
+]
+
+
+def prompts(seed: int = 5) -> list[list[int]]:
+    """A few prompts, two of them sharing a stem of full blocks (the prefix cache must not share it across
+    adapters)."""
+    rng = random.Random(seed)
+    stem = [rng.randrange(100, 49152) for _ in range(20)]
+    own = [[rng.randrange(100, 49152) for _ in range(n)] for n in (3, 11, 7)]
+    return [stem + own[0], stem + own[1], own[2]]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """LoRA requests for the tiny model, and each one's reference outputs (None: the base model)."""
+    made = [(None, None)]
+    for seed, r, alpha, targets, rslora in ADAPTERS:
+        path = make_peft_adapter(tiny_model_dir, str(tmp_path_factory.mktemp(f"lora{seed}")), seed, r, alpha, targets,
+                                 rslora)
+        made.append((LoRARequest(f"adapter{seed}", seed, path), path))
+    references = {}
+    for request, path in made:
+        model = peft_reference_model(tiny_model_dir, path) if path else None
+        if model is None:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        references[request] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts()]
+    return references
+
+
+def check_mixed_batch(llm: LLM, references: dict) -> None:
+    """Every prompt with every adapter and with none, all queued at once, each equal to its reference."""
+    jobs = [(request, i, p) for request in references for i, p in enumerate(prompts())]
+    outs = llm.generate([{"prompt_token_ids": p} for _, _, p in jobs], greedy(MAX_TOKENS), use_tqdm=False,
+                        lora_request=[request for request, _, _ in jobs])
+    for (request, i, _), out in zip(jobs, outs):
+        ref, ref_logits = references[request][i]
+        assert_matches_reference(out.outputs[0].token_ids, ref, ref_logits)
+    outputs = {request: [out.outputs[0].token_ids for (r, _, _), out in zip(jobs, outs) if r == request]
+               for request in references}
+    assert len({tuple(map(tuple, o)) for o in outputs.values()}) == len(references), "an adapter changed nothing"
+    llm.engine.check_invariants()
+    bm = llm.engine.block_manager
+    assert bm.pool.num_used == bm.num_adapter_blocks > 0  # only the resident (now idle) adapters hold blocks
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_loras=3, enable_prefix_caching=True),
+    dict(max_loras=3, enable_prefix_caching=False, attention_backend="reference"),
+    # adapters wait for a slot; adapter 3's weights take 44 of the 60 blocks while it is resident: preemption
+    dict(max_loras=1, num_blocks=60, max_num_batched_tokens=16),
+], ids=["mixed-prefix-cache", "reference-path", "one-slot-small-pool"])
+def test_mixed_adapters_equal_peft(tiny_model_dir, adapters, engine_args):
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_lora_rank=16, **engine_args)
+    check_mixed_batch(llm, adapters)
+    slots = llm.engine.scheduler.adapters
+    slots.check()
+    if engine_args["max_loras"] == 1:
+        assert slots.num_evictions >= 2 and llm.engine.stats().preemptions > 0
+
+
+def test_adapter_weights_are_paged_with_the_kv_cache(tiny_model_dir, adapters):
+    """A resident adapter holds blocks of the pool (its bytes / a KV block's, rounded up); idle, it gives them back
+    when the KV cache needs them, and is loaded again (same outputs) when a request needs it again."""
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=2, max_lora_rank=16,
+              num_blocks=60, max_num_batched_tokens=16, max_cpu_loras=1)
+    engine, bm = llm.engine, llm.engine.block_manager
+    big = next(r for r in adapters if r is not None and r.lora_int_id == 3)
+    prompt = prompts()[0]
+    first = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    assert bm.num_adapter_blocks == engine.scheduler.adapters.sizes[3] == 44  # 90,112 bytes / 2,048 per block
+    assert engine.stats().lora_adapters_resident == 1
+    long_prompt = [100 + i for i in range(60)]  # 18 blocks with its output: more than the 16 the adapter leaves
+    llm.generate({"prompt_token_ids": long_prompt}, greedy(MAX_TOKENS), use_tqdm=False)
+    assert bm.num_adapter_blocks == 0 and engine.scheduler.adapters.num_evictions == 1
+    other = next(r for r in adapters if r is not None and r.lora_int_id == 2)
+    llm.generate("hi", greedy(2), use_tqdm=False, lora_request=other)  # the CPU copy of adapter 3 goes (1 kept)
+    again = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert engine.runner.adapters.num_reads == 1  # read from its folder again
+    engine.check_invariants()
+    engine.scheduler.adapters.check()
+
+
+def test_one_step_runs_several_adapters(tiny_model_dir, adapters):
+    """The adapters really share steps (not one adapter's requests after another's)."""
+    llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
+    runner, kinds = llm.engine.runner, []
+    build = runner.lora_batch
+
+    def recording(scheduled, lens):
+        kinds.append(len({s.seq.lora_int_id for s in scheduled}))
+        return build(scheduled, lens)
+
+    runner.lora_batch = recording
+    check_mixed_batch(llm, adapters)
+    assert max(kinds) == len(adapters)  # three adapters and the base model in one step
+
+
+def test_bad_adapters_are_refused(tiny_model_dir, tmp_path, adapters):
+    llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
+    path = next(r for r in adapters if r is not None and r.lora_int_id == 3).lora_path
+    with pytest.raises(LoRALoadError, match="rank 16 exceeds max_lora_rank 8"):
+        llm.generate("hi", greedy(2), lora_request=LoRARequest("big", 3, path), use_tqdm=False)
+    with pytest.raises(LoRALoadError, match="no adapter_config.json"):
+        llm.engine.add_lora(LoRARequest("missing", 7, str(tmp_path / "nothing")))
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoRALoadError, match="cannot read safetensors"):
+        llm.engine.add_lora(LoRARequest("corrupt", 8, str(tmp_path)))
+    assert llm.engine.list_loras() == []
+    assert llm.generate("hi", greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
+
+
+def test_adapter_of_another_model_is_refused(tmp_path, adapters):
+    from conftest import make_tiny_hf_model
+
+    other = make_tiny_hf_model(str(tmp_path / "wide"), hidden_size=128, intermediate_size=256)
+    llm = LLM(other, dtype="float32", enable_lora=True)
+    path = next(r for r in adapters if r is not None and r.lora_int_id == 1).lora_path
+    with pytest.raises(LoRALoadError, match="do not fit the base model"):
+        llm.engine.add_lora(LoRARequest("other", 1, path))
+
+
+def test_lora_needs_enable_lora(tiny_model_dir, adapters):
+    llm = LLM(tiny_model_dir, dtype="float32")
+    request = next(r for r in adapters if r is not None)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate("hi", greedy(2), lora_request=request, use_tqdm=False)
