@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_manager import BlockManager, hash_block
+from pagedllm.core.block_manager import BlockManager, hash_block, root
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import SequenceGroup
@@ -65,10 +65,11 @@ class LongestPrefixQueue:
         bm = self.block_manager
         if not bm.enable_prefix_caching:
             return 0
-        tokens, bs, cached = w.group.seqs[0].token_ids, bm.block_size, bm.pool.cached
+        seq, bs, cached = w.group.seqs[0], bm.block_size, bm.pool.cached
+        tokens, first_parent = seq.token_ids, root(seq.lora_int_id)[0]  # an adapter's blocks chain from its own root
         for i in range((len(tokens) - 1) // bs):
             if i == len(w.hashes):
-                w.hashes.append(hash_block(w.hashes[-1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+                w.hashes.append(hash_block(w.hashes[-1] if i else first_parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if w.hashes[i] not in cached:
                 return i
         return (len(tokens) - 1) // bs

@@ -146,3 +146,22 @@ def test_lora_needs_enable_lora(tiny_model_dir, adapters):
     request = next(r for r in adapters if r is not None)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate("hi", greedy(2), lora_request=request, use_tqdm=False)
+
+
+def test_the_kv_tier_keeps_the_base_models_blocks_only(tiny_model_dir, adapters, tmp_path):
+    """An adapter's id names nothing that outlives the process, so its blocks never go to the second tier: after a
+    restart on the same directory, every adapter still equals its reference and only the base model's prefixes
+    come back from the tier."""
+    def run(engine_dir: str) -> LLM:
+        llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=4, max_lora_rank=16,
+                  kv_offload_dir=engine_dir)
+        check_mixed_batch(llm, adapters)
+        return llm
+
+    first = run(str(tmp_path / "tier"))
+    first.engine.close()
+    base_blocks = sum((len(p) - 1) // 4 for p in prompts())  # full blocks of the base model's prompts
+    second = run(str(tmp_path / "tier"))
+    tier = second.engine.stats().kv_tier
+    assert 0 < tier["hits"] <= base_blocks and tier["read_errors"] == 0
+    second.engine.close()
