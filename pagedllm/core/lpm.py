@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 from pagedllm.core.block_manager import BlockManager, hash_block, root
 from pagedllm.core.plan import SchedulerOutput
@@ -23,7 +24,7 @@ class Waiting:
     """A waiting group, its place in arrival order, how often it was overtaken, and its cached-prefix score."""
 
     group: SequenceGroup
-    order: int  # arrivals count up; a preempted group counts down (earlier than everyone: first again)
+    order: int  # arrivals count up; a preempted group keeps its own (urgent: first again, older urgent ones before)
     preempted: bool = False
     skips: int = 0  # later arrivals admitted while this one waited
     score: int = 0  # leading full blocks of its tokens in the prefix cache, at the last rank()
@@ -49,12 +50,13 @@ class LongestPrefixQueue:
         self._fifo: list[Waiting] = []  # arrival order (preempted groups first)
         self._front: list[Waiting] | None = None  # the window sorted by key; None: to sort again
         self._arrivals = itertools.count()
-        self._requeues = itertools.count(-1, -1)
+        self._requeues = itertools.count(-1, -1)  # a requeued group this queue never saw
+        self._arrival: WeakKeyDictionary[SequenceGroup, int] = WeakKeyDictionary()  # each group's arrival order
 
     # ---- the policy -------------------------------------------------------------------------------------------
     def rank(self) -> None:
         """Score the window against the prefix cache as it is now (once per step, before admission)."""
-        for w in self._fifo[:self.window]:
+        for w in self._candidates():
             w.score = self.cached_blocks(w)
         self._front = None
 
@@ -74,27 +76,40 @@ class LongestPrefixQueue:
                 return i
         return (len(tokens) - 1) // bs
 
+    def _candidates(self) -> list[Waiting]:
+        """The window and every urgent entry behind it (preempted groups queued ahead can push an urgent one out of
+        the window; it must still go first)."""
+        return self._fifo[:self.window] + [w for w in self._fifo[self.window:] if w.urgent(self.max_skips)]
+
     def front(self) -> list[Waiting]:
         if self._front is None:
-            self._front = sorted(self._fifo[:self.window], key=lambda w: w.key(self.max_skips))
+            self._front = sorted(self._candidates(), key=lambda w: w.key(self.max_skips))
         return self._front
 
+    def _rest(self) -> list[Waiting]:
+        """The entries not in front(), in arrival order."""
+        front = set(map(id, self.front()))
+        return [w for w in self._fifo if id(w) not in front]
+
     def skip_over(self, admitted: Waiting) -> None:
-        """Everyone who arrived before the admitted group was overtaken once more."""
+        """Everyone who arrived before the admitted group was overtaken once more (a preempted group keeps its arrival
+        order, so its admission again counts too: a request admitted and preempted in one step cannot then jump an
+        older urgent one)."""
         for w in self._fifo:
-            if w.order >= admitted.order:
-                break
-            w.skips += 1
-            if w.skips == self.max_skips:
-                self._front = None  # it goes first now
+            if w.order < admitted.order:
+                w.skips += 1
+                if w.skips == self.max_skips:
+                    self._front = None  # it goes first now
 
     # ---- the queue --------------------------------------------------------------------------------------------
     def append(self, group: SequenceGroup) -> None:
-        self._fifo.append(Waiting(group, next(self._arrivals)))
+        self._arrival[group] = order = next(self._arrivals)
+        self._fifo.append(Waiting(group, order))
         self._front = None
 
     def appendleft(self, group: SequenceGroup) -> None:
-        self._fifo.insert(0, Waiting(group, next(self._requeues), preempted=True))
+        order = self._arrival.get(group)
+        self._fifo.insert(0, Waiting(group, next(self._requeues) if order is None else order, preempted=True))
         self._front = None
 
     def popleft(self) -> SequenceGroup:
@@ -115,23 +130,20 @@ class LongestPrefixQueue:
 
     def __getitem__(self, index: int) -> SequenceGroup:
         front = self.front()
-        return front[index].group if index < len(front) else self._fifo[index].group
+        return front[index].group if index < len(front) else self._rest()[index - len(front)].group
 
     def __len__(self) -> int:
         return len(self._fifo)
 
     def __iter__(self) -> Iterator[SequenceGroup]:
-        front = self.front()
-        yield from (w.group for w in front)
-        yield from (w.group for w in self._fifo[len(front):])
+        yield from (w.group for w in self.waiting())
 
     def __contains__(self, group: object) -> bool:
         return any(w.group is group for w in self._fifo)
 
     def waiting(self) -> list[Waiting]:
         """The queue's entries in its order (for tests and statistics)."""
-        front = self.front()
-        return front + self._fifo[len(front):]
+        return self.front() + self._rest()
 
 
 class LongestPrefixScheduler(Scheduler):

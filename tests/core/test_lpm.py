@@ -14,7 +14,7 @@ from test_scheduling_policies import RandomWorkload, policy_sim, request
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.baselines import make_scheduler
-from pagedllm.core.lpm import LongestPrefixQueue, LongestPrefixScheduler
+from pagedllm.core.lpm import LongestPrefixQueue, LongestPrefixScheduler, Waiting
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -138,6 +138,7 @@ class Watch:
         self.sim, self.queue = sim, sim.sched.waiting
         self.snapshot: list[tuple[SequenceGroup, int, int, bool]] = []
         self.promoted = False
+        self.popped: list[str] = []  # the step's admissions in the order they happened
         rank, skip_over = self.queue.rank, self.queue.skip_over
 
         def recording_rank() -> None:
@@ -146,7 +147,8 @@ class Watch:
             self.snapshot = [(w.group, w.score, self.matched(w.group), w.urgent(self.queue.max_skips))
                              for w in front]
 
-        def recording_skip_over(admitted: object) -> None:
+        def recording_skip_over(admitted: Waiting) -> None:
+            self.popped.append(admitted.group.request_id)
             urgent = self.num_urgent()
             skip_over(admitted)
             self.promoted |= self.num_urgent() > urgent
@@ -180,13 +182,15 @@ def test_random_workload_loses_nothing_keeps_order_and_bounds_overtaking(block_s
                                                                   max_num_seqs))
     first_admitted: list[str] = []
     for _ in workload.steps():
-        watch.snapshot, watch.promoted = [], False
+        watch.snapshot, watch.promoted, watch.popped = [], False, []
         sim.step()
         admitted = [g for g, *_ in watch.snapshot if g not in sim.sched.waiting]
         if not watch.promoted:
             assert [g for g, *_ in watch.snapshot[:len(admitted)]] == admitted, "admitted out of the ranked order"
         check_ranked(watch.snapshot, sim.bm.pool.num_evictions)
-        first_admitted += [g.request_id for g in admitted if g.request_id not in first_admitted]
+        # in the order admissions happened (a promotion reorders the step), a group admitted and preempted within
+        # the step included: its admission overtook those before it
+        first_admitted += [rid for rid in watch.popped if rid not in first_admitted]
     workload.check_all_done()
     arrival = {rid: i for i, rid in enumerate(workload.submitted)}
     for i, rid in enumerate(first_admitted):
