@@ -33,9 +33,12 @@ class VirtualTokenCounter:
     def counter(self, client: Client) -> float:
         return self.counters.get(client, 0.0)
 
+    def weight(self, client: Client) -> float:
+        return self.weights.get(client or "", 1.0)
+
     def charge(self, client: Client, tokens: float) -> None:
         """Count weighted tokens served to the client."""
-        self.counters[client] = self.counter(client) + tokens / self.weights.get(client or "", 1.0)
+        self.counters[client] = self.counter(client) + tokens / self.weight(client)
 
     # ---- the queue (core/scheduler.py's WaitingQueue) ----------------------------------------------------------
     def append(self, group: SequenceGroup) -> None:

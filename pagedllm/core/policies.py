@@ -61,19 +61,17 @@ class PriorityQueue:
         return group in self._groups
 
 
-class PriorityScheduler(Scheduler):
-    """Admit by priority, then arrival; the running list is kept in the same order (`running_key`), so budget goes
-    to the higher priorities first and the group preempted when blocks run out is the lowest priority (newest among
-    equals). A waiting group that does not fit displaces strictly lower-priority running groups if that makes room."""
+class DisplacingScheduler(Scheduler):
+    """The paged scheduler, plus: a waiting head that does not fit displaces the running groups `_displaceable`
+    names, in that order, when preempting all of them would make room (so none goes in vain); a group preempted
+    DISPLACEMENT_FLOOR times is no longer displaced."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.waiting = PriorityQueue()
         self.num_displacements = 0
 
-    def _admit(self, group: SequenceGroup) -> None:
-        super()._admit(group)
-        self.running.sort(key=running_key)
+    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
+        raise NotImplementedError
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         super()._admit_waiting(out)
@@ -81,10 +79,7 @@ class PriorityScheduler(Scheduler):
             self._displace_for(self.waiting[0], out)
 
     def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> None:
-        """Preempt lower-priority running groups, lowest first, for the head of the queue, and admit it; only if
-        preempting all of them would make room (as far as the block counts tell), so none goes in vain."""
-        victims = [g for g in reversed(self.running) if g.priority > head.priority
-                   and g.num_preemptions < DISPLACEMENT_FLOOR]
+        victims = [g for g in self._displaceable(head) if g.num_preemptions < DISPLACEMENT_FLOOR]
         budget = out.budget
         if not victims or not self._would_fit(head, victims, budget):
             return
@@ -93,13 +88,14 @@ class PriorityScheduler(Scheduler):
                 break
             self.preempt(victim, out)
             self.num_displacements += 1
-        if self._fits(head, budget):
+        if self.waiting[0] is head and self._fits(head, budget):  # still the queue's pick once the victims are back
             writes = self._plan_writes(head, budget)
             self._admit(head)
             self._run(head, writes, out)
 
     def _fits(self, head: SequenceGroup, budget: int) -> bool:
-        return self._seats_for_next() and \
+        return self.num_running_seqs + head.num_unfinished <= self.max_num_seqs and \
+            self.adapters.can_acquire(head.lora_int_id) and \
             self._blocks_to_admit(head, self._plan_writes(head, budget)) <= self.block_manager.num_free_blocks
 
     def _would_fit(self, head: SequenceGroup, victims: list[SequenceGroup], budget: int) -> bool:
@@ -110,16 +106,36 @@ class PriorityScheduler(Scheduler):
         return seats <= self.max_num_seqs and needed <= self.block_manager.num_free_blocks + freed
 
 
+class PriorityScheduler(DisplacingScheduler):
+    """Admit by priority, then arrival; the running list is kept in the same order (`running_key`), so budget goes
+    to the higher priorities first and the group preempted when blocks run out is the lowest priority (newest among
+    equals). A waiting group that does not fit displaces strictly lower-priority running groups if that makes room."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.waiting = PriorityQueue()
+
+    def _admit(self, group: SequenceGroup) -> None:
+        super()._admit(group)
+        self.running.sort(key=running_key)
+
+    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
+        """Lower-priority running groups, lowest first."""
+        return [g for g in reversed(self.running) if g.priority > head.priority]
+
+
 def freed_blocks(bm: BlockManager, groups: list[SequenceGroup]) -> int:
     """Blocks that freeing these groups' tables would return to the pool."""
     held = Counter(b for g in groups for s in g.seqs if bm.has_table(s.seq_id) for b in bm.block_table(s.seq_id))
     return sum(bm.pool.ref_counts[b] == k for b, k in held.items())
 
 
-class FairScheduler(Scheduler):
+class FairScheduler(DisplacingScheduler):
     """VTC: admit the earliest waiting group of the client served least; a client is charged its prompt when its
     request is first admitted and every token sampled for it. When blocks run out, the client served most loses its
-    newest running group."""
+    newest running group. Seats are shared too: a waiting client below its weighted share of the seats displaces
+    the newest running groups of clients above theirs (else a light client waits for a heavy one's request to end,
+    however little it was served)."""
 
     def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -129,6 +145,24 @@ class FairScheduler(Scheduler):
         super()._admit(group)
         if not group.num_preemptions:  # a preempted group's prompt was charged when it first ran
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
+
+    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
+        """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
+        clients running and the head's), the running groups of clients over their share, most served first."""
+        seats: Counter[str | None] = Counter()
+        for g in self.running:
+            seats[g.client] += g.num_unfinished
+        total = sum(self.vtc.weight(c) for c in set(seats) | {head.client})
+
+        def share(client: str | None) -> float:
+            return self.max_num_seqs * self.vtc.weight(client) / total
+
+        if seats[head.client] + head.num_unfinished > share(head.client):
+            return []
+        served = self.vtc.counter(head.client)  # only clients served more: the head stays the queue's pick
+        over = [g for g in reversed(self.running)
+                if seats[g.client] > share(g.client) and self.vtc.counter(g.client) > served]
+        return sorted(over, key=lambda g: -self.vtc.counter(g.client))  # stable: a client's newest first
 
     def _victim(self) -> SequenceGroup:
         return max(reversed(self.running), key=lambda g: self.vtc.counter(g.client))

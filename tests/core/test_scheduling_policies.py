@@ -167,6 +167,35 @@ def test_displacement_stops_at_the_floor():
     assert "low" in sim.finished
 
 
+def test_a_light_client_below_its_seat_share_displaces_the_heavy_client():
+    """fair: a heavy client holds every seat; a light client's request (below its share: 4 seats / 2 clients)
+    displaces the heavy client's newest running request instead of waiting for one to end; the heavy client keeps its
+    share, and everything finishes."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    heavy = [sim.add(request(f"heavy{i}", 8, 30, client="heavy", arrival=i)) for i in range(6)]
+    sim.step()
+    assert len(sim.sched.running) == 4
+    light = sim.add(request("light", 4, 2, client="light", arrival=10, first=200))  # lifted to heavy's counter
+    sim.step()  # a tie goes to the client waiting longest; the heavy client's running requests are charged
+    sim.step()
+    assert light in sim.sched.running and sim.sched.num_displacements == 1
+    assert heavy[3].status.value == "waiting" and len(sim.sched.running) == 4  # the newest heavy one went
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sorted(sim.finished) == sorted(["light"] + [f"heavy{i}" for i in range(6)])
+
+
+def test_a_client_at_its_seat_share_displaces_nobody():
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=2, budget=64)
+    sim.add(request("a0", 8, 30, client="a", arrival=0))
+    sim.add(request("b0", 8, 30, client="b", arrival=1))
+    sim.step()
+    sim.add(request("b1", 8, 30, client="b", arrival=2))  # b holds its share (1 of 2 seats)
+    for _ in range(5):
+        sim.step()
+    assert sim.sched.num_displacements == 0
+
+
 # ---- VTC -----------------------------------------------------------------------------------------------------------
 def test_vtc_lifts_a_returning_client_to_the_least_waiting_counter():
     vtc = VirtualTokenCounter()
