@@ -127,6 +127,13 @@ def test_bad_adapters_are_refused(tiny_model_dir, tmp_path, adapters):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(LoRALoadError, match="cannot read safetensors"):
         llm.engine.add_lora(LoRARequest("corrupt", 8, str(tmp_path)))
+    with open(tmp_path / "adapter_model.safetensors", "wb") as f:  # bigger than any rank-8 adapter of this model
+        f.truncate(llm.engine.config.max_lora_rank * 10**7)
+    with pytest.raises(LoRALoadError, match="more than an adapter of this model"):
+        llm.engine.add_lora(LoRARequest("huge", 9, str(tmp_path)))
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 64}}')
+    with pytest.raises(LoRALoadError, match="rank 64 exceeds max_lora_rank 8"):  # refused from its config alone
+        llm.engine.add_lora(LoRARequest("declared", 10, str(tmp_path)))
     assert llm.engine.list_loras() == []
     assert llm.generate("hi", greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
 

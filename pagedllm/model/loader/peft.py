@@ -48,7 +48,10 @@ def projection_shape(config: ModelConfig, projection: str) -> tuple[int, int]:
 def load_peft_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check an adapter folder; any problem raises LoRALoadError naming the file and what is wrong."""
     settings = read_adapter_config(path)
-    tensors = read_adapter_tensors(path)
+    ranks = [settings["r"], *(r for r in (settings.get("rank_pattern") or {}).values() if isinstance(r, int))]
+    if max(ranks) > max_rank:  # refused before the weights are read: a client may name any folder
+        raise LoRALoadError(f"{path}: rank {max(ranks)} exceeds max_lora_rank {max_rank}")
+    tensors = read_adapter_tensors(path, max_file_bytes(config, max_rank))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = TENSOR_NAME.match(name)
@@ -93,7 +96,14 @@ def read_adapter_config(path: str) -> dict:
     return settings
 
 
-def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
+def max_file_bytes(config: ModelConfig, max_rank: int) -> int:
+    """The largest adapter file this model can take: every projection of every layer at max_rank in fp64, plus 1 MiB
+    of header; a bigger file is refused unread."""
+    per_layer = sum(sum(projection_shape(config, p)) for p in PROJECTIONS)
+    return config.num_hidden_layers * per_layer * max_rank * 8 + (1 << 20)
+
+
+def read_adapter_tensors(path: str, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     file = os.path.join(path, "adapter_model.safetensors")
@@ -101,6 +111,9 @@ def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
         other = " (adapter_model.bin is not read: save with safe_serialization)" if os.path.isfile(
             os.path.join(path, "adapter_model.bin")) else ""
         raise LoRALoadError(f"{path}: no adapter_model.safetensors{other}")
+    if max_bytes is not None and os.path.getsize(file) > max_bytes:
+        raise LoRALoadError(f"{file}: {os.path.getsize(file)} bytes, more than an adapter of this model at "
+                            f"max_lora_rank can hold ({max_bytes})")
     try:
         return {name: t.float() for name, t in load_file(file).items()}
     except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
