@@ -13,14 +13,7 @@ workload=$out/workload.jsonl
     --save-workload "$workload" --output-json "$out/warmup.json" >/dev/null
 num=$(wc -l < "$workload")
 
-wait_ready() {  # until /health answers 200, or the server process is gone
-    for _ in $(seq 900); do
-        curl -sf "$1/health" >/dev/null && return 0
-        kill -0 "$2" 2>/dev/null || return 1
-        sleep 1
-    done
-    return 1
-}
+source "$(dirname "$0")/wait_ready.sh"
 
 run() {  # engine port command...
     local engine=$1 port=$2

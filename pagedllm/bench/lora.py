@@ -65,9 +65,24 @@ def tokens_per_s(result: dict) -> float:
     return result["output_tokens_per_s"]
 
 
+def save_adapters(args: argparse.Namespace) -> int:
+    """`--save-adapters DIR`: the random adapters the mixed run would use, as DIR/lora0 ..., for another server (a
+    side by side with vLLM's) to serve; nothing is run. Only the model's config is needed, read from its file."""
+    from pagedllm.model.loader import load_model
+
+    model_config = load_model(args.model).config
+    targets = tuple(args.targets.split(","))
+    for i in range(args.num_adapters):
+        print(write_random_adapter(os.path.join(args.save_adapters, f"lora{i}"), model_config, args.rank, targets,
+                                   args.seed + i))
+    return 0
+
+
 def cmd_lora(args: argparse.Namespace) -> int:
     from pagedllm import LLM, LoRARequest
 
+    if args.save_adapters:
+        return save_adapters(args)
     config = EngineConfig.from_cli_args(args)
     config.enable_lora, config.max_lora_rank = True, max(config.max_lora_rank, args.rank)
     llm = LLM(**vars(config))
@@ -127,6 +142,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="base and mixed runs, interleaved; the best of each counts")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--save-adapters", metavar="DIR", default=None,
+                   help="only write the --num-adapters random adapters (the mixed run's) to DIR/lora0 ... and exit")
     EngineConfig.add_cli_args(p)
     # the same prompts run again: no prefix cache, so that no run finds an earlier one's blocks
     p.set_defaults(func=cmd_lora, max_loras=8, max_cpu_loras=16, kv_cache_memory="1GiB", enable_prefix_caching=False)

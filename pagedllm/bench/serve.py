@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import json
 import math
 import os
 import platform
+import random
 import socket
 import subprocess
 import sys
@@ -205,13 +207,18 @@ def http_client(base_url: str, api_key: str | None) -> aiohttp.ClientSession:
 
 async def run_benchmark(base_url: str, model: str, requests: Sequence[Any], arrivals: Sequence[float], *,
                         max_concurrency: int | None = None, api_key: str | None = None,
-                        sample_interval: float = 0.5, progress: bool | None = None) -> BenchmarkRun:
+                        sample_interval: float = 0.5, progress: bool | None = None,
+                        models: Sequence[str] | None = None) -> BenchmarkRun:
     """Send request i at `arrivals[i]` seconds after the start (at most `max_concurrency` in flight), wait for all,
-    sampling /metrics meanwhile. progress None: a progress bar only on a terminal."""
+    sampling /metrics meanwhile. `models`: request i's model name (LoRA adapters), else `model` for all. progress
+    None: a progress bar only on a terminal."""
     from tqdm import tqdm
 
     if len(arrivals) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
+    models = list(models) if models is not None else [model] * len(requests)
+    if len(models) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(models)} model names")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be positive, got {max_concurrency}")
     results = [RequestResult(len(r.prompt_token_ids), r.n) for r in requests]
@@ -224,13 +231,13 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[Any], arri
             t0 = time.perf_counter()
             sampler.start(t0)
 
-            async def arrive(request: Any, at: float, result: RequestResult) -> None:
+            async def arrive(request: Any, at: float, result: RequestResult, name: str) -> None:
                 await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
                 async with gate:
-                    await send_request(client, completion_payload(model, request), result, t0)
+                    await send_request(client, completion_payload(name, request), result, t0)
                 bar.update()
 
-            await asyncio.gather(*(arrive(r, at, res) for r, at, res in zip(requests, arrivals, results)))
+            await asyncio.gather(*(arrive(*args) for args in zip(requests, arrivals, results, models)))
             duration = time.perf_counter() - t0
         timeline = await sampler.stop()
         after = await scrape_metrics(client)
@@ -534,6 +541,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     sv.add_argument("--request-rate", type=float, default=math.inf,
                     help="mean requests per second of the Poisson arrivals (inf: all at once)")
+    sv.add_argument("--models", default=None, help="comma-separated model names (LoRA adapters, the base model's "
+                                                   "name) the requests are spread over (default: --model for all)")
+    sv.add_argument("--model-zipf", type=float, default=1.0,
+                    help="with --models: name k is picked with weight 1 / (k + 1) ** EXPONENT (0: uniform)")
     add_workload_args(sv)
     sv.add_argument("--output-json", default=None)
     sv.add_argument("--plot", default=None, help="PNG of KV cache usage and running requests over time")
@@ -638,6 +649,19 @@ def context(args: argparse.Namespace) -> dict[str, Any]:
             "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
 
 
+def request_models(names: str | None, count: int, exponent: float, seed: int) -> list[str] | None:
+    """Each request's model name drawn from the comma-separated `names` by a Zipf law (the first the most often),
+    seeded; None without names."""
+    from pagedllm.bench.lora import zipf_picks
+
+    if names is None:
+        return None
+    choices = [n.strip() for n in names.split(",") if n.strip()]
+    if not choices:
+        raise ValueError("--models names no model")
+    return [choices[k] for k in zipf_picks(len(choices), count, exponent, random.Random(seed))]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.bench.datasets import poisson_arrivals
     from pagedllm.model.loader import load_tokenizer
@@ -649,11 +673,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     source = tokenizer_source(args.tokenizer, model, card)
     print(f"model {model}; tokenizer of {source or 'the default model'}", file=sys.stderr)
     requests = sample_workload(args, load_tokenizer(source), card.get("max_model_len"), args.seed)
+    models = request_models(args.models, len(requests), args.model_zipf, args.seed)
     run = asyncio.run(run_benchmark(args.base_url, model, requests,
                                     poisson_arrivals(len(requests), args.request_rate, args.seed),
                                     max_concurrency=args.max_concurrency, api_key=args.api_key,
-                                    sample_interval=args.metrics_interval))
+                                    sample_interval=args.metrics_interval, models=models))
     summary = {"model": model, "base_url": args.base_url, **context(args), **summarize(run, args.request_rate)}
+    if models is not None:
+        summary["requests_per_model"] = dict(collections.Counter(models))
     print_summary(summary)
     if args.output_json:
         write_json(args.output_json, summary)
