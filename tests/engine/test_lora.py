@@ -71,6 +71,8 @@ def check_mixed_batch(llm: LLM, references: dict) -> None:
 ], ids=["mixed-prefix-cache", "reference-path", "one-slot-small-pool"])
 def test_mixed_adapters_equal_peft(tiny_model_dir, adapters, engine_args):
     llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_lora_rank=16, **engine_args)
+    # the C++ SGMV kernel computes the deltas, the torch path on the reference path
+    assert (llm.engine.runner.model.lora.ext is None) == (engine_args.get("attention_backend") == "reference")
     check_mixed_batch(llm, adapters)
     slots = llm.engine.scheduler.adapters
     slots.check()
