@@ -31,6 +31,7 @@ constexpr int kShrinkTokens = 6;     // tokens per shrink micro-kernel (x up to 
 constexpr int kExpandTokens = 4;     // tokens per expand micro-kernel (x up to 4 vectors: 16 accumulators)
 constexpr int64_t kColumns = 64;     // output (or rank) columns per work item
 constexpr int64_t kTokenBlock = 64;  // tokens per expand work item
+constexpr int64_t kPrefetchRows = 8; // weight rows fetched ahead of the one multiplied
 
 inline v16 vset(float x) { return v16{} + x; }
 inline float to_f32(float v) { return v; }
@@ -60,7 +61,10 @@ void shrink_tile(const T* const* xr, const T* a, int64_t in, int64_t lda, float*
   v16 acc[kShrinkTokens][NV] = {};
   for (int64_t i = 0; i < in; ++i) {
     v16 av[NV];
-    for (int v = 0; v < NV; ++v) av[v] = load16(a + i * lda + 16 * v);
+    for (int v = 0; v < NV; ++v) {
+      __builtin_prefetch(a + (i + kPrefetchRows) * lda + 16 * v);
+      av[v] = load16(a + i * lda + 16 * v);
+    }
     for (int t = 0; t < kShrinkTokens; ++t) {
       const v16 xv = vset(to_f32(xr[t][i]));
       for (int v = 0; v < NV; ++v) acc[t][v] += xv * av[v];
@@ -76,7 +80,10 @@ void expand_tile(T* const* outr, const float* const* hr, const T* b, int64_t ran
   v16 acc[kExpandTokens][NC] = {};
   for (int64_t r = 0; r < rank; ++r) {
     v16 bv[NC];
-    for (int v = 0; v < NC; ++v) bv[v] = load16(b + r * ldb + 16 * v);
+    for (int v = 0; v < NC; ++v) {
+      __builtin_prefetch(b + (r + kPrefetchRows) * ldb + 16 * v);
+      bv[v] = load16(b + r * ldb + 16 * v);
+    }
     for (int t = 0; t < kExpandTokens; ++t) {
       const v16 hv = vset(hr[t][r]);
       for (int v = 0; v < NC; ++v) acc[t][v] += hv * bv[v];
