@@ -74,6 +74,7 @@ class LoRAStack:
         self.ext = ext if dtype in SGMV_DTYPES else None
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
+        self.ranks: list[dict[str, torch.Tensor]] = []  # int64 [slots, n]: each projection's rank (0: not targeted)
         for _ in range(config.num_hidden_layers):
             a, b = {}, {}
             for kind, projections in FUSED.items():
@@ -84,6 +85,7 @@ class LoRAStack:
                 b[kind] = torch.zeros(max_loras, width, out_features, dtype=dtype)
             self.a.append(a)
             self.b.append(b)
+            self.ranks.append({kind: torch.zeros(max_loras, len(ps), dtype=torch.int64) for kind, ps in FUSED.items()})
         self.offsets = {kind: self._offsets(config, projections) for kind, projections in FUSED.items()}
         self.widths = {kind: [width for _, width in self.offsets[kind].values()] for kind in FUSED}
         self.kinds: list[frozenset[str]] = [frozenset()] * max_loras  # the fused matmuls each slot's adapter targets
@@ -100,24 +102,27 @@ class LoRAStack:
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter into a slot (every projection it does not target stays zero)."""
-        for layer_a, layer_b in zip(self.a, self.b):
+        for layer_a, layer_b, layer_ranks in zip(self.a, self.b, self.ranks):
             for kind in FUSED:
                 layer_a[kind][slot].zero_()
                 layer_b[kind][slot].zero_()
+                layer_ranks[kind][slot] = 0
         for (layer, projection), (a, b) in adapter.weights.items():
             kind = next(k for k, ps in FUSED.items() if projection in ps)
-            j, rank = FUSED[kind].index(projection) * self.max_rank, a.shape[0]
+            index, rank = FUSED[kind].index(projection), a.shape[0]
+            j = index * self.max_rank
             start, width = self.offsets[kind][projection]
             self.a[layer][kind][slot, :, j:j + rank] = a.T
             self.b[layer][kind][slot, j:j + rank, start:start + width] = b.T
+            self.ranks[layer][kind][slot, index] = rank
         self.kinds[slot] = frozenset(k for k, ps in FUSED.items() if any(p in ps for _, p in adapter.weights))
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str, batch: LoRABatch) -> torch.Tensor:
         """out[t] += B_slot(t) (A_slot(t) x[t]) for every token with an adapter, in place; returns out."""
         a, b = self.a[layer][kind], self.b[layer][kind]
         if self.ext is not None and x.dtype == out.dtype == self.dtype and x.stride(1) == out.stride(1) == 1:
-            self.ext.lora_sgmv(out, x, a, b, batch.tokens, batch.starts, batch.slots, self.max_rank,
-                               self.widths[kind])
+            self.ext.lora_sgmv(out, x, a, b, batch.tokens, batch.starts, batch.slots, self.ranks[layer][kind],
+                               self.max_rank, self.widths[kind])
             return out
         return self.add_delta_padded(out, x, a, b, batch)
 

@@ -25,8 +25,8 @@ bool int8_gemm_supported();
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
 bool bf16_gemm_supported();
 void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& tokens, const at::Tensor& starts, const at::Tensor& slots, int64_t rank,
-               const std::vector<int64_t>& widths);
+               const at::Tensor& tokens, const at::Tensor& starts, const at::Tensor& slots, const at::Tensor& ranks,
+               int64_t rank, const std::vector<int64_t>& widths);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -48,7 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this build has bf16_gemm's instructions");
   m.def("lora_sgmv", &lora_sgmv, "out[t] += B_slot (A_slot x[t]) for the tokens of each slot's segment (Punica's "
-        "SGMV): tokens sorted by slot, starts [S + 1], slots [S]; B block-diagonal over the projections' widths",
+        "SGMV): tokens sorted by slot, starts [S + 1], slots [S], each slot's rank per projection; B block-diagonal "
+        "over the projections' widths",
         nogil);
   m.def("int8_gemm_supported", &int8_gemm_supported, "Whether this build has int8_gemm's instructions");
 }

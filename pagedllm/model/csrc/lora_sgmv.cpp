@@ -5,9 +5,10 @@
 // Two passes, each spread over the threads as work items taken dynamically:
 //  - shrink: (segment, tile of tokens, block of up to 64 rank columns) -> h = x A, fp32, in a small scratch
 //    [tokens, W]; the fused matmul's projections (q/k/v, gate/up) sit side by side in A, so qkv is one shrink of width
-//    3 * rank.
+//    3 * rank (up to the last column the segment's adapter uses).
 //  - expand: (segment, block of tokens, tile of 64 output columns of one projection) -> out += h B, reading only
-//    the rank rows of that projection (B is block-diagonal over the projections: its zeros are never read).
+//    the rows of that projection's rank in the segment's adapter (B is block-diagonal over the projections, ranks
+//    are padded to the largest: those zeros are never read; a projection the adapter does not target costs nothing).
 // Rows of x and out are read and written in place through the sorted token index (no gather or scatter copies).
 // Weights, x and out are float32 or bfloat16 (all one dtype), accumulation in fp32. Vectors are GCC vector
 // extensions (16 floats): AVX-512 with -march=native where present, narrower registers elsewhere.
@@ -105,14 +106,25 @@ void expand_tail(T* const* outr, const float* const* hr, const T* b, int64_t ran
 }
 
 struct Item {
-  int64_t seg, t0, t1, c0, c1, r0;  // a segment's sorted positions [t0, t1), columns [c0, c1), first rank row r0
+  int64_t seg, t0, t1, c0, c1, r0, rank;  // a segment's sorted positions [t0, t1), columns [c0, c1), rank rows
+                                          // [r0, r0 + rank)
 };
 
 struct Problem {
-  int64_t in, out_features, W, rank, num_segments;
+  int64_t in, out_features, W, rank, num_segments, num_projections;
   const int64_t* tokens;  // sorted position -> token (row of x and out)
   const int64_t* starts;  // segment -> its first sorted position; [S + 1]
   const int64_t* slots;   // segment -> its adapter's slot in A and B
+  const int64_t* ranks;   // slot -> each projection's rank in it [slots, n] (0: not targeted)
+
+  int64_t rank_of(int64_t seg, int64_t p) const { return ranks[slots[seg] * num_projections + p]; }
+  // A's columns a segment's adapter uses, rounded up to a vector (0: it targets none of the projections)
+  int64_t columns(int64_t seg) const {
+    int64_t used = 0;
+    for (int64_t p = 0; p < num_projections; ++p)
+      if (rank_of(seg, p) > 0) used = p * rank + rank_of(seg, p);
+    return (used + 15) / 16 * 16;
+  }
 };
 
 // Runs fn(item) for every item, the items taken in order by whichever thread is free.
@@ -131,8 +143,9 @@ void shrink(const Problem& P, const T* x, int64_t ldx, const T* a, float* h) {
   std::vector<Item> items;
   for (int64_t s = 0; s < P.num_segments; ++s)
     for (int64_t t0 = P.starts[s]; t0 < P.starts[s + 1]; t0 += kShrinkTokens)
-      for (int64_t c0 = 0; c0 < P.W; c0 += kColumns)
-        items.push_back({s, t0, std::min(t0 + kShrinkTokens, P.starts[s + 1]), c0, std::min(c0 + kColumns, P.W), 0});
+      for (int64_t c0 = 0, used = P.columns(s); c0 < used; c0 += kColumns)
+        items.push_back({s, t0, std::min(t0 + kShrinkTokens, P.starts[s + 1]), c0, std::min(c0 + kColumns, used),
+                         0, 0});
   run_items(items, [&](const Item& it) {
     const T* xr[kShrinkTokens];
     float* hr[kShrinkTokens];
@@ -160,9 +173,9 @@ void expand(const Problem& P, const std::vector<int64_t>& widths, const float* h
   for (int64_t s = 0; s < P.num_segments; ++s)
     for (int64_t t0 = P.starts[s]; t0 < P.starts[s + 1]; t0 += kTokenBlock)
       for (int64_t p = 0, start = 0; p < static_cast<int64_t>(widths.size()); start += widths[p++])
-        for (int64_t c0 = start; c0 < start + widths[p]; c0 += kColumns)
+        for (int64_t c0 = start; P.rank_of(s, p) > 0 && c0 < start + widths[p]; c0 += kColumns)
           items.push_back({s, t0, std::min(t0 + kTokenBlock, P.starts[s + 1]), c0,
-                           std::min(c0 + kColumns, start + widths[p]), p * P.rank});
+                           std::min(c0 + kColumns, start + widths[p]), p * P.rank, P.rank_of(s, p)});
   const std::vector<float> zeros(P.W, 0.0f);
   run_items(items, [&](const Item& it) {
     T dummy[kColumns];
@@ -178,14 +191,14 @@ void expand(const Problem& P, const std::vector<int64_t>& widths, const float* h
       }
       switch (whole) {
         case 0: break;
-        case 1: expand_tile<T, 1>(outr, hr, bs, P.rank, P.out_features); break;
-        case 2: expand_tile<T, 2>(outr, hr, bs, P.rank, P.out_features); break;
-        case 3: expand_tile<T, 3>(outr, hr, bs, P.rank, P.out_features); break;
-        default: expand_tile<T, 4>(outr, hr, bs, P.rank, P.out_features); break;
+        case 1: expand_tile<T, 1>(outr, hr, bs, it.rank, P.out_features); break;
+        case 2: expand_tile<T, 2>(outr, hr, bs, it.rank, P.out_features); break;
+        case 3: expand_tile<T, 3>(outr, hr, bs, it.rank, P.out_features); break;
+        default: expand_tile<T, 4>(outr, hr, bs, it.rank, P.out_features); break;
       }
       if (tail) {
         for (int t = 0; t < kExpandTokens; ++t) outr[t] += whole * 16;
-        expand_tail<T>(outr, hr, bs + whole * 16, P.rank, P.out_features, tail);
+        expand_tail<T>(outr, hr, bs + whole * 16, it.rank, P.out_features, tail);
       }
     }
   });
@@ -194,8 +207,8 @@ void expand(const Problem& P, const std::vector<int64_t>& widths, const float* h
 }  // namespace
 
 void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& tokens, const at::Tensor& starts, const at::Tensor& slots, int64_t rank,
-               const std::vector<int64_t>& widths) {
+               const at::Tensor& tokens, const at::Tensor& starts, const at::Tensor& slots, const at::Tensor& ranks,
+               int64_t rank, const std::vector<int64_t>& widths) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_sgmv: x must be float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dtype && a.scalar_type() == dtype && b.scalar_type() == dtype,
@@ -212,7 +225,11 @@ void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const 
               "lora_sgmv: W must be a multiple of 16 holding the projections' ranks, widths must sum to out's");
   for (const at::Tensor* t : {&tokens, &starts, &slots})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "lora_sgmv: int64 indices");
+  TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.is_contiguous(), "lora_sgmv: int64 ranks");
   const int64_t S = slots.size(0), N = tokens.size(0);
+  TORCH_CHECK(ranks.numel() == a.size(0) * n, "lora_sgmv: ranks must be [slots, projections]");
+  for (int64_t i = 0; i < ranks.numel(); ++i)
+    TORCH_CHECK(ranks.data_ptr<int64_t>()[i] >= 0 && ranks.data_ptr<int64_t>()[i] <= rank, "lora_sgmv: bad rank");
   TORCH_CHECK(starts.size(0) == S + 1, "lora_sgmv: starts must have one more entry than slots");
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(S == 0 || (st[0] == 0 && st[S] == N), "lora_sgmv: segments must cover the sorted tokens");
@@ -222,7 +239,7 @@ void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const 
   const int64_t* tok = tokens.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) TORCH_CHECK(tok[i] >= 0 && tok[i] < x.size(0), "lora_sgmv: token out of range");
   if (N == 0) return;
-  const Problem P{x.size(1), out.size(1), W, rank, S, tok, st, slots.data_ptr<int64_t>()};
+  const Problem P{x.size(1), out.size(1), W, rank, S, n, tok, st, slots.data_ptr<int64_t>(), ranks.data_ptr<int64_t>()};
   std::vector<float> h(static_cast<size_t>(N * W));
   if (dtype == at::kFloat) {
     shrink<float>(P, x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(), h.data());
