@@ -48,17 +48,18 @@ class LoRABatch:
         return cls(tokens[order], starts, slots.to(torch.int64), dtype, kinds)
 
     @cached_property
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the torch path: each segment's tokens padded to the longest, rows [S * L] (pads point at token 0)
-        and mask [S, L, 1] (1 for a real token, 0 for a pad)."""
-        counts = self.starts[1:] - self.starts[:-1]
-        segment = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        position = torch.arange(len(self.tokens)) - self.starts[segment]
-        rows = torch.zeros(len(counts), int(counts.max()), dtype=torch.int64)
+    def padded(self) -> tuple[slice, torch.Tensor, torch.Tensor]:
+        """For the torch path, one padded segment per slot from the lowest of the step to the highest (slots of no
+        token included, empty: the stack's slots are then a view): those slots, rows [S * L] (each segment's tokens
+        padded to the longest; pads point at token 0) and mask [S, L, 1] (1 for a real token, 0 for a pad)."""
+        first, counts = int(self.slots[0]), self.starts[1:] - self.starts[:-1]
+        segment = torch.repeat_interleave(self.slots - first, counts)
+        position = torch.arange(len(self.tokens)) - torch.repeat_interleave(self.starts[:-1], counts)
+        rows = torch.zeros(int(self.slots[-1]) - first + 1, int(counts.max()), dtype=torch.int64)
         rows[segment, position] = self.tokens
         mask = torch.zeros(*rows.shape, 1, dtype=self.dtype)
         mask[segment, position] = 1
-        return rows.view(-1), mask
+        return slice(first, first + len(rows)), rows.view(-1), mask
 
 
 class LoRAStack:
@@ -131,10 +132,10 @@ class LoRAStack:
                          batch: LoRABatch) -> torch.Tensor:
         """The torch path (and the kernel's reference): gather each segment's tokens padded to the longest, `bmm` by
         A, zero the pads, `bmm` by B, add back."""
-        rows, mask = batch.padded
+        slots, rows, mask = batch.padded
         xs = x.index_select(0, rows).view(mask.shape[0], -1, x.shape[1])
-        shrunk = torch.bmm(xs, a[batch.slots]).mul_(mask)  # pads' rows zeroed: they add nothing to token 0
-        delta = torch.bmm(shrunk, b[batch.slots])
+        shrunk = torch.bmm(xs, a[slots]).mul_(mask)  # pads' rows zeroed: they add nothing to token 0
+        delta = torch.bmm(shrunk, b[slots])
         return out.index_add_(0, rows, delta.view(-1, out.shape[1]))
 
 
