@@ -112,7 +112,7 @@ class ModelRunner:
                     INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:
-            model.lora = LoRAStack(loaded.config, config.max_loras, config.max_lora_rank, dtype)
+            model.lora = LoRAStack(loaded.config, config.max_loras, config.max_lora_rank, dtype, model.ext)
         runner = cls(model, num_blocks, config.block_size, eos, config.seed, kv_dtype)
         runner.governor = governor
         runner.adapters.capacity = config.max_cpu_loras

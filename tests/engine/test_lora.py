@@ -71,6 +71,8 @@ def check_mixed_batch(llm: LLM, references: dict) -> None:
 ], ids=["mixed-prefix-cache", "reference-path", "one-slot-small-pool"])
 def test_mixed_adapters_equal_peft(tiny_model_dir, adapters, engine_args):
     llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_lora_rank=16, **engine_args)
+    # the C++ SGMV kernel computes the deltas, the torch path on the reference path
+    assert (llm.engine.runner.model.lora.ext is None) == (engine_args.get("attention_backend") == "reference")
     check_mixed_batch(llm, adapters)
     slots = llm.engine.scheduler.adapters
     slots.check()
@@ -172,3 +174,29 @@ def test_the_kv_tier_keeps_the_base_models_blocks_only(tiny_model_dir, adapters,
     tier = second.engine.stats().kv_tier
     assert 0 < tier["hits"] <= base_blocks and tier["read_errors"] == 0
     second.engine.close()
+
+
+
+def test_bfloat16_kernel_equals_the_torch_path(tiny_model_dir, adapters):
+    """In bfloat16, each layer's adapter deltas of the three resident adapters (and of no adapter) mixed in one batch:
+    the kernel (fp32 sums, one rounding) within bf16 rounding of the torch path (rounded after each matmul)."""
+    import torch
+
+    from pagedllm.model.lora import FUSED, LoRABatch
+
+    llm = LLM(tiny_model_dir, dtype="bfloat16", block_size=4, enable_lora=True, max_loras=3, max_lora_rank=16)
+    llm.generate(["hi"] * len(adapters), greedy(1), use_tqdm=False, lora_request=list(adapters))  # all resident
+    lora, slots = llm.engine.runner.model.lora, llm.engine.runner.adapter_slots
+    assert lora.ext is not None and len(slots) == len(adapters) - 1
+    g = torch.Generator().manual_seed(0)
+    batch = LoRABatch.build(torch.tensor([-1, *slots.values()] * 5)[torch.randperm(20, generator=g)], torch.bfloat16)
+    for layer in range(len(lora.a)):
+        for kind in FUSED:
+            x = torch.randn(20, lora.a[layer][kind].shape[1], generator=g).to(torch.bfloat16)
+            base = torch.randn(20, lora.b[layer][kind].shape[2], generator=g).to(torch.bfloat16)
+            got = lora.add_delta(base.clone(), x, layer, kind, batch)
+            expected = lora.add_delta_padded(base.clone(), x, lora.a[layer][kind], lora.b[layer][kind], batch)
+            torch.testing.assert_close(got, expected, rtol=2 ** -6, atol=2 ** -6)
+            assert not torch.equal(got, base)  # adapter 1 targets every projection
+            no_adapter = sorted(set(range(20)) - set(batch.tokens.tolist()))
+            assert torch.equal(got[no_adapter], base[no_adapter])
