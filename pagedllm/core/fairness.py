@@ -6,7 +6,7 @@ another, and the server still never idles while anyone waits (work-conserving)."
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedllm.core.sequence import SequenceGroup
 
@@ -24,6 +24,10 @@ class VirtualTokenCounter:
 
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         self.weights = dict(weights or {})
+        # Orders clients whose counters tie (the least first; VTC leaves the order open), then the one waiting longest.
+        # The fair scheduler gives the seats a client holds, then the requests it has waiting (both per weight): a
+        # client lifted to another's counter on its return goes first, instead of waiting a step for it to be charged.
+        self.tie_break: Callable[[Client], tuple[float, float]] | None = None
         self.counters: dict[Client, float] = {}
         self.queues: dict[Client, deque[SequenceGroup]] = {}  # clients with a waiting group, in the order they came
         self.last_left = 0.0  # the counter of the last client whose queue emptied: the lift when no one waits
@@ -60,8 +64,17 @@ class VirtualTokenCounter:
         self._len += 1
 
     def front_client(self) -> Client:
-        """The waiting client with the smallest counter; among equals, the one waiting longest."""
-        return min(self.queues, key=self.counter)
+        """The waiting client with the smallest counter; among equals, the least by `tie_break`, then the one waiting
+        longest."""
+        least = min(self.queues, key=self.counter)
+        if self.tie_break is None:
+            return least
+        tied = [c for c in self.queues if self.counter(c) == self.counter(least)]
+        return least if len(tied) == 1 else min(tied, key=self.tie_break)
+
+    def num_waiting(self, client: Client) -> int:
+        """The sequences the client's waiting requests will run."""
+        return sum(g.num_unfinished for g in self.queues.get(client, ()))
 
     def __getitem__(self, index: int) -> SequenceGroup:
         if index != 0 or not self.queues:
@@ -94,8 +107,9 @@ class VirtualTokenCounter:
         return self._len
 
     def __iter__(self) -> Iterator[SequenceGroup]:
-        """Least-served client first, each client's requests in order."""
-        for client in sorted(self.queues, key=self.counter):
+        """Least-served client first (the front's order), each client's requests in order."""
+        tie = self.tie_break or (lambda c: (0.0, 0.0))
+        for client in sorted(self.queues, key=lambda c: (self.counter(c), tie(c))):
             yield from self.queues[client]
 
     def __contains__(self, group: object) -> bool:

@@ -80,8 +80,8 @@ class DisplacingScheduler(Scheduler):
 
     def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> None:
         victims = [g for g in self._displaceable(head) if g.num_preemptions < DISPLACEMENT_FLOOR]
-        budget = out.budget
-        if not victims or not self._would_fit(head, victims, budget):
+        budget = self._budget_for(head, out.budget)
+        if not victims or not budget or not self._would_fit(head, victims, budget):
             return
         for victim in victims:
             if self._fits(head, budget):
@@ -135,33 +135,82 @@ class FairScheduler(DisplacingScheduler):
     request is first admitted and every token sampled for it. When blocks run out, the client served most loses its
     newest running group. Seats are shared too: a waiting client below its weighted share of the seats displaces
     the newest running groups of clients above theirs (else a light client waits for a heavy one's request to end,
-    however little it was served)."""
+    however little it was served). Between equal counters the client holding fewer seats goes first, and the step
+    that admits the request of a client whose whole demand fits its share holds back for that step the prompts of
+    clients whose demand exceeds theirs (its first token then costs what it costs on an idle server)."""
 
     def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.waiting = self.vtc = VirtualTokenCounter(client_weights)
+        self.vtc.tie_break = self._load
+        self._held: set[str | None] = set()  # clients whose prompts wait during this step
+        self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
+        self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
+
+    def schedule(self) -> SchedulerOutput:
+        self._held, self._admitted = self._clients_to_hold(), []
+        out = super().schedule()
+        if out.is_empty and self._held:  # the pick did not get in after all, and nothing else ran: never idle
+            self._held = set()
+            self.block_manager.recorder.step -= 1
+            preempted, out = out.preempted, super().schedule()
+            out.preempted[:0] = preempted
+        return out
 
     def _admit(self, group: SequenceGroup) -> None:
         super()._admit(group)
+        self._admitted.append(group)
         if not group.num_preemptions:  # a preempted group's prompt was charged when it first ran
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
 
-    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
-        """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
-        clients running and the head's), the running groups of clients over their share, most served first."""
+    def _budget_for(self, group: SequenceGroup, budget: int) -> int:
+        return 0 if group.client in self._held and not group.is_decoding else budget
+
+    def _seats(self) -> Counter[str | None]:
         seats: Counter[str | None] = Counter()
         for g in self.running:
             seats[g.client] += g.num_unfinished
-        total = sum(self.vtc.weight(c) for c in set(seats) | {head.client})
+        return seats
 
-        def share(client: str | None) -> float:
-            return self.max_num_seqs * self.vtc.weight(client) / total
+    def _share(self, client: str | None, seats: Counter[str | None], head: str | None) -> float:
+        """max_num_seqs x the client's weight / the weights of the clients running, the head's and its own."""
+        total = sum(self.vtc.weight(c) for c in set(seats) | {head, client})
+        return self.max_num_seqs * self.vtc.weight(client) / total
 
-        if seats[head.client] + head.num_unfinished > share(head.client):
+    def _load(self, client: str | None) -> tuple[float, float]:
+        """The tie-break between equal counters: seats held, then sequences waiting, per weight."""
+        weight = self.vtc.weight(client)
+        return sum(g.num_unfinished for g in self.running if g.client == client) / weight, \
+            self.vtc.num_waiting(client) / weight
+
+    def _clients_to_hold(self) -> set[str | None]:
+        """If the queue's pick is of a client whose running and waiting sequences all fit its share, and it can get
+        a seat (free, or by a displacement), the other clients whose demand exceeds their share: their prompts wait
+        for a step (decodes go on). Once per waiting group, so a pick that does not get in holds no one twice."""
+        self._held_for = {k: g for k, g in self._held_for.items() if g in self.waiting}
+        if not self.waiting or id(self.waiting[0]) in self._held_for:
+            return set()
+        head, seats = self.waiting[0], self._seats()
+        client = head.client
+        if seats[client] + self.vtc.num_waiting(client) > self._share(client, seats, client):
+            return set()
+        if self.num_running_seqs + head.num_unfinished > self.max_num_seqs and not any(
+                g.num_preemptions < DISPLACEMENT_FLOOR for g in self._displaceable(head)):
+            return set()
+        self._held_for[id(head)] = head
+        return {c for c in (set(seats) | set(self.vtc.queues)) - {client}
+                if seats[c] + self.vtc.num_waiting(c) > self._share(c, seats, client)}
+
+    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
+        """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
+        clients running and the head's), the running groups of clients over their share and served at least as
+        much (the head stays the queue's pick: a tie goes to the client holding fewer seats), most served first."""
+        seats = self._seats()
+        if seats[head.client] + head.num_unfinished > self._share(head.client, seats, head.client):
             return []
-        served = self.vtc.counter(head.client)  # only clients served more: the head stays the queue's pick
-        over = [g for g in reversed(self.running)
-                if seats[g.client] > share(g.client) and self.vtc.counter(g.client) > served]
+        served, admitted = self.vtc.counter(head.client), {id(g) for g in self._admitted}
+        over = [g for g in reversed(self.running) if id(g) not in admitted and self.vtc.counter(g.client) >= served
+                and seats[g.client] > self._share(g.client, seats, head.client)]
         return sorted(over, key=lambda g: -self.vtc.counter(g.client))  # stable: a client's newest first
 
     def _victim(self) -> SequenceGroup:
