@@ -74,24 +74,29 @@ class DisplacingScheduler(Scheduler):
         raise NotImplementedError
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
+        """Admit as the paged scheduler does; then, unless blocks ran short, each head in turn that displaces."""
         super()._admit_waiting(out)
-        if out.budget > 0 and not out.preempted and self.waiting:
-            self._displace_for(self.waiting[0], out)
+        if not out.preempted:
+            while out.budget > 0 and self.waiting and self._displace_for(self.waiting[0], out):
+                pass
 
-    def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> None:
+    def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Whether the head got in, displacing running groups."""
         victims = [g for g in self._displaceable(head) if g.num_preemptions < DISPLACEMENT_FLOOR]
         budget = self._budget_for(head, out.budget)
         if not victims or not budget or not self._would_fit(head, victims, budget):
-            return
+            return False
         for victim in victims:
             if self._fits(head, budget):
                 break
             self.preempt(victim, out)
             self.num_displacements += 1
-        if self.waiting[0] is head and self._fits(head, budget):  # still the queue's pick once the victims are back
-            writes = self._plan_writes(head, budget)
-            self._admit(head)
-            self._run(head, writes, out)
+        if self.waiting[0] is not head or not self._fits(head, budget):  # the queue's pick once the victims are back
+            return False
+        writes = self._plan_writes(head, budget)
+        self._admit(head)
+        self._run(head, writes, out)
+        return True
 
     def _fits(self, head: SequenceGroup, budget: int) -> bool:
         return self.num_running_seqs + head.num_unfinished <= self.max_num_seqs and \

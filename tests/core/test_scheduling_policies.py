@@ -213,6 +213,26 @@ def test_a_light_client_below_its_seat_share_displaces_the_heavy_client_at_once(
     assert light.num_preemptions == 0 and sim.sched.num_displacements == 1
 
 
+def test_light_requests_arriving_together_all_get_in_at_the_next_step():
+    """fair: three light clients' requests arrive in the same step while a heavy client holds every seat: each is
+    below its share (4 seats / 4 clients), so each displaces a heavy request, all in the next step, and each samples
+    its first token there; the heavy client keeps one seat."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    for i in range(6):
+        sim.add(request(f"heavy{i}", 8, 30, client="heavy", arrival=i))
+    sim.step()
+    sim.step()
+    for i in range(3):
+        sim.add(request(f"light{i}", 4, 2, client=f"light{i}", arrival=10 + i, first=200 + 10 * i))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light0", "light1", "light2"} and len(plans[-1].preempted) == 3
+    assert [g.client for g in sim.sched.running].count("heavy") == 1
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert len(sim.finished) == 9 and sim.sched.num_displacements == 3
+
+
 def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
     """fair: a light request that arrives with a heavy client's batch, or beside a heavy prompt being prefilled in
     chunks, is admitted in the next step and computes its prompt there with only the running decodes: the heavy
