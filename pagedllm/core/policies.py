@@ -183,10 +183,10 @@ class FairScheduler(DisplacingScheduler):
         return self.max_num_seqs * self.vtc.weight(client) / total
 
     def _load(self, client: str | None) -> tuple[float, float]:
-        """The tie-break between equal counters: seats held, then sequences waiting, per weight."""
+        """The tie-break between equal counters: seats held, then requests waiting, per weight."""
         weight = self.vtc.weight(client)
         return sum(g.num_unfinished for g in self.running if g.client == client) / weight, \
-            self.vtc.num_waiting(client) / weight
+            len(self.vtc.queues.get(client, ())) / weight
 
     def _clients_to_hold(self) -> set[str | None]:
         """If the queue's pick is of a client whose running and waiting sequences all fit its share, and it can get

@@ -310,6 +310,18 @@ def test_vtc_lifts_a_returning_client_to_the_least_waiting_counter():
     assert vtc.counter("d") == 100
 
 
+def test_vtc_breaks_ties_by_its_tie_break_then_by_waiting_time():
+    vtc = VirtualTokenCounter()
+    a, b, c = (SequenceGroup.make(request(x, 4, 4, client=x)) for x in "abc")
+    for g in (a, b, c):
+        vtc.append(g)
+    assert vtc[0] is a and list(vtc) == [a, b, c]  # all at 0: the one waiting longest
+    vtc.tie_break = {"a": (2.0, 0.0), "b": (1.0, 5.0), "c": (1.0, 3.0)}.__getitem__
+    assert vtc[0] is c and list(vtc) == [c, b, a]
+    vtc.charge("c", 1)
+    assert vtc[0] is b and list(vtc) == [b, a, c]  # the counter comes first
+
+
 def test_vtc_forgets_idle_clients_a_lift_would_raise_anyway(monkeypatch):
     monkeypatch.setattr("pagedllm.core.fairness.KEPT_COUNTERS", 8)
     vtc = VirtualTokenCounter()
