@@ -142,7 +142,7 @@ class FairScheduler(DisplacingScheduler):
     the newest running groups of clients above theirs (else a light client waits for a heavy one's request to end,
     however little it was served). Between equal counters the client holding fewer seats goes first, and the step
     that admits the request of a client whose whole demand fits its share holds back for that step the prompts of
-    clients whose demand exceeds theirs (its first token then costs what it costs on an idle server)."""
+    clients whose demand exceeds theirs (its first token then costs about what it costs on an idle server)."""
 
     def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -153,7 +153,8 @@ class FairScheduler(DisplacingScheduler):
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
 
     def schedule(self) -> SchedulerOutput:
-        self._held, self._admitted = self._clients_to_hold(), []
+        self._admitted = []
+        self._held = self._clients_to_hold()
         out = super().schedule()
         if out.is_empty and self._held:  # the pick did not get in after all, and nothing else ran: never idle
             self._held = set()
