@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter
@@ -151,9 +151,11 @@ class FairScheduler(DisplacingScheduler):
         self._held: set[str | None] = set()  # clients whose prompts wait during this step
         self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
+        self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
 
     def schedule(self) -> SchedulerOutput:
         self._admitted = []
+        self._seats_changed()
         self._held = self._clients_to_hold()
         out = super().schedule()
         if out.is_empty and self._held:  # the pick did not get in after all, and nothing else ran: never idle
@@ -166,28 +168,48 @@ class FairScheduler(DisplacingScheduler):
     def _admit(self, group: SequenceGroup) -> None:
         super()._admit(group)
         self._admitted.append(group)
+        self._seats_changed()
         if not group.num_preemptions:  # a preempted group's prompt was charged when it first ran
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
 
     def _budget_for(self, group: SequenceGroup, budget: int) -> int:
         return 0 if group.client in self._held and not group.is_decoding else budget
 
-    def _seats(self) -> Counter[str | None]:
-        seats: Counter[str | None] = Counter()
-        for g in self.running:
-            seats[g.client] += g.num_unfinished
-        return seats
+    def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        super().preempt(group, out)
+        self._seats_changed()
 
-    def _share(self, client: str | None, seats: Counter[str | None], head: str | None) -> float:
-        """max_num_seqs x the client's weight / the weights of the clients running, the head's and its own."""
-        total = sum(self.vtc.weight(c) for c in set(seats) | {head, client})
-        return self.max_num_seqs * self.vtc.weight(client) / total
+    def finish(self, group: SequenceGroup) -> None:
+        super().finish(group)
+        self._seats_changed()
+
+    def _seats_changed(self) -> None:
+        self._seat_counts = None
+        self.vtc.reorder()  # its tie-break counts seats
+
+    def _seats(self) -> Counter[str | None]:
+        """The seats each running client holds (read-only: kept until the running groups change)."""
+        if self._seat_counts is None:
+            self._seat_counts = Counter()
+            for g in self.running:
+                self._seat_counts[g.client] += g.num_unfinished
+        return self._seat_counts
+
+    def _shares(self, seats: Counter[str | None], head: str | None) -> Callable[[str | None], float]:
+        """A client's share of the seats: max_num_seqs x its weight / the weights of the clients running (`seats`),
+        the head's and its own."""
+        weight = self.vtc.weight
+        base = sum(weight(c) for c in seats) + (0.0 if head in seats else weight(head))
+
+        def share(client: str | None) -> float:
+            return self.max_num_seqs * weight(client) / (base + (0.0 if client in seats or client == head
+                                                                  else weight(client)))
+        return share
 
     def _load(self, client: str | None) -> tuple[float, float]:
         """The tie-break between equal counters: seats held, then requests waiting, per weight."""
         weight = self.vtc.weight(client)
-        return sum(g.num_unfinished for g in self.running if g.client == client) / weight, \
-            len(self.vtc.queues.get(client, ())) / weight
+        return self._seats()[client] / weight, len(self.vtc.queues.get(client, ())) / weight
 
     def _clients_to_hold(self) -> set[str | None]:
         """If the queue's pick is of a client whose running and waiting sequences all fit its share, and it can get
@@ -197,26 +219,27 @@ class FairScheduler(DisplacingScheduler):
         if not self.waiting or id(self.waiting[0]) in self._held_for:
             return set()
         head, seats = self.waiting[0], self._seats()
-        client = head.client
-        if seats[client] + self.vtc.num_waiting(client) > self._share(client, seats, client):
+        client, share = head.client, self._shares(seats, head.client)
+        if seats[client] + self.vtc.num_waiting(client) > share(client):
             return set()
         if self.num_running_seqs + head.num_unfinished > self.max_num_seqs and not any(
                 g.num_preemptions < DISPLACEMENT_FLOOR for g in self._displaceable(head)):
             return set()
         self._held_for[id(head)] = head
-        return {c for c in (set(seats) | set(self.vtc.queues)) - {client}
-                if seats[c] + self.vtc.num_waiting(c) > self._share(c, seats, client)}
+        others = (set(seats) | set(self.vtc.queues)) - {client}
+        return {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
 
     def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
         """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
         clients running and the head's), the running groups of clients over their share and served at least as
         much (the head stays the queue's pick: a tie goes to the client holding fewer seats), most served first."""
         seats = self._seats()
-        if seats[head.client] + head.num_unfinished > self._share(head.client, seats, head.client):
+        share = self._shares(seats, head.client)
+        if seats[head.client] + head.num_unfinished > share(head.client):
             return []
         served, admitted = self.vtc.counter(head.client), {id(g) for g in self._admitted}
         over = [g for g in reversed(self.running) if id(g) not in admitted and self.vtc.counter(g.client) >= served
-                and seats[g.client] > self._share(g.client, seats, head.client)]
+                and seats[g.client] > share(g.client)]
         return sorted(over, key=lambda g: -self.vtc.counter(g.client))  # stable: a client's newest first
 
     def _victim(self) -> SequenceGroup:
