@@ -149,6 +149,8 @@ class FairScheduler(DisplacingScheduler):
         self.waiting = self.vtc = VirtualTokenCounter(client_weights)
         self.vtc.tie_break = self._load
         self._held: set[str | None] = set()  # clients whose prompts wait during this step
+        self._paced: set[str | None] = set()  # clients that start one prompt in this step at most
+        self._prompting: set[str | None] = set()  # the paced clients that have started it
         self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
         self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
@@ -156,10 +158,10 @@ class FairScheduler(DisplacingScheduler):
     def schedule(self) -> SchedulerOutput:
         self._admitted = []
         self._seats_changed()
-        self._held = self._clients_to_hold()
+        self._held, self._paced, self._prompting = self._clients_to_hold(), self._clients_to_pace(), set()
         out = super().schedule()
-        if out.is_empty and self._held:  # the pick did not get in after all, and nothing else ran: never idle
-            self._held = set()
+        if out.is_empty and (self._held or self._paced):  # the pick did not get in, and nothing else ran: never idle
+            self._held, self._paced = set(), set()
             self.block_manager.recorder.step -= 1
             preempted, out = out.preempted, super().schedule()
             out.preempted[:0] = preempted
@@ -173,7 +175,12 @@ class FairScheduler(DisplacingScheduler):
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
 
     def _budget_for(self, group: SequenceGroup, budget: int) -> int:
-        return 0 if group.client in self._held and not group.is_decoding else budget
+        if group.is_decoding or group.client not in self._held | self._paced:
+            return budget
+        if group.client in self._held or group.client in self._prompting:
+            return 0
+        self._prompting.add(group.client)
+        return budget
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         super().preempt(group, out)
@@ -228,6 +235,17 @@ class FairScheduler(DisplacingScheduler):
         self._held_for[id(head)] = head
         others = (set(seats) | set(self.vtc.queues)) - {client}
         return {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
+
+    def _clients_to_pace(self) -> set[str | None]:
+        """While a client whose demand fits its share runs, the clients whose demand exceeds theirs: each starts one
+        prompt per step at most, so that no step computes a batch of their prompts at once (a light request arriving
+        meanwhile would wait for all of it)."""
+        seats = self._seats()
+        if len(seats) < 2 and not self.vtc.queues.keys() - seats.keys():
+            return set()
+        share = self._shares(seats, next(iter(seats), None))
+        over = {c for c in seats.keys() | self.vtc.queues.keys() if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        return over if seats.keys() - over else set()
 
     def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
         """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the

@@ -236,16 +236,19 @@ def test_light_requests_arriving_together_all_get_in_at_the_next_step():
 def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
     """fair: a light request that arrives with a heavy client's batch, or beside a heavy prompt being prefilled in
     chunks, is admitted in the next step and computes its prompt there with only the running decodes: the heavy
-    prompts (whose client wants more than its share of the seats) wait that one step, then go on."""
+    prompts (whose client wants more than its share of the seats) wait that one step, then go on, one a step while
+    the light request runs."""
     sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
     plans = record_plans(sim)
     for i in range(6):
-        sim.add(request(f"heavy{i}", 16, 4, client="heavy", arrival=i))
-    sim.add(request("light", 8, 2, client="light", arrival=10, first=200))
+        sim.add(request(f"heavy{i}", 16, 4, client="heavy", arrival=i, first=300 + 20 * i))
+    sim.add(request("light", 8, 4, client="light", arrival=10, first=200))
     sim.step()
     assert first_tokens(plans[-1]) == {"light"} and prompt_tokens(plans[-1], "heavy") == 0
-    sim.step()
-    assert prompt_tokens(plans[-1], "heavy") == 3 * 16  # the next step: the other three seats' prompts
+    for _ in range(3):  # then one heavy prompt a step while the light request runs
+        sim.step()
+        assert prompt_tokens(plans[-1], "heavy") == 16
+    assert "light" in sim.finished and len(sim.sched.running) == 3
 
     sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=2, budget=12)
     plans = record_plans(sim)
