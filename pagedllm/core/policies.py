@@ -160,11 +160,10 @@ class FairScheduler(DisplacingScheduler):
         self._seats_changed()
         self._held, self._paced, self._prompting = self._clients_to_hold(), self._clients_to_pace(), set()
         out = super().schedule()
-        if out.is_empty and (self._held or self._paced):  # the pick did not get in, and nothing else ran: never idle
-            self._held, self._paced = set(), set()
+        if out.is_empty and not out.preempted and (self._held or self._paced):  # the pick did not get in, and
+            self._held, self._paced = set(), set()  # nothing else ran: never idle
             self.block_manager.recorder.step -= 1
-            preempted, out = out.preempted, super().schedule()
-            out.preempted[:0] = preempted
+            out = super().schedule()
         return out
 
     def _admit(self, group: SequenceGroup) -> None:
