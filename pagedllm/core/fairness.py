@@ -6,7 +6,7 @@ another, and the server still never idles while anyone waits (work-conserving)."
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedllm.core.sequence import SequenceGroup
 
@@ -15,6 +15,7 @@ INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 
 Client = str | None
+TieBreak = Callable[[Client], tuple[float, float]]
 KEPT_COUNTERS = 4096  # idle clients' counters kept before those at or below the lift are dropped
 
 
@@ -24,11 +25,25 @@ class VirtualTokenCounter:
 
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         self.weights = dict(weights or {})
+        self._tie_break: TieBreak | None = None
         self.counters: dict[Client, float] = {}
         self.queues: dict[Client, deque[SequenceGroup]] = {}  # clients with a waiting group, in the order they came
         self.last_left = 0.0  # the counter of the last client whose queue emptied: the lift when no one waits
         self._len = 0
         self._prune_at = KEPT_COUNTERS
+        self._front: tuple[Client] | None = None  # front_client(), until a counter, a queue or the tie-break changes
+
+    @property
+    def tie_break(self) -> TieBreak | None:
+        """Orders clients whose counters tie (the least first; VTC leaves the order open), then the one waiting
+        longest. The fair scheduler gives the seats a client holds, then the requests it has waiting (both per
+        weight): a client lifted to another's counter on its return goes first, instead of waiting a step for the
+        other to be charged."""
+        return self._tie_break
+
+    @tie_break.setter
+    def tie_break(self, key: TieBreak | None) -> None:
+        self._tie_break, self._front = key, None
 
     def counter(self, client: Client) -> float:
         return self.counters.get(client, 0.0)
@@ -39,6 +54,11 @@ class VirtualTokenCounter:
     def charge(self, client: Client, tokens: float) -> None:
         """Count weighted tokens served to the client."""
         self.counters[client] = self.counter(client) + tokens / self.weight(client)
+        self._front = None
+
+    def reorder(self) -> None:
+        """What `tie_break` says has changed."""
+        self._front = None
 
     # ---- the queue (core/scheduler.py's WaitingQueue) ----------------------------------------------------------
     def append(self, group: SequenceGroup) -> None:
@@ -53,15 +73,26 @@ class VirtualTokenCounter:
                 self._forget_idle(floor)
         self.queues[client].append(group)
         self._len += 1
+        self._front = None
 
     def appendleft(self, group: SequenceGroup) -> None:
         """A preempted request: first of its client's again, with no lift (it was being served)."""
         self.queues.setdefault(group.client, deque()).appendleft(group)
         self._len += 1
+        self._front = None
 
     def front_client(self) -> Client:
-        """The waiting client with the smallest counter; among equals, the one waiting longest."""
-        return min(self.queues, key=self.counter)
+        """The waiting client with the smallest counter; among equals, the least by `tie_break`, then the one waiting
+        longest."""
+        if self._front is None:
+            least = min(self.queues, key=self.counter)
+            tied = [c for c in self.queues if self.counter(c) == self.counter(least)] if self.tie_break else []
+            self._front = (min(tied, key=self.tie_break) if len(tied) > 1 else least,)
+        return self._front[0]
+
+    def num_waiting(self, client: Client) -> int:
+        """The sequences the client's waiting requests will run."""
+        return sum(g.num_unfinished for g in self.queues.get(client, ()))
 
     def __getitem__(self, index: int) -> SequenceGroup:
         if index != 0 or not self.queues:
@@ -86,6 +117,7 @@ class VirtualTokenCounter:
 
     def _forget_if_empty(self, client: Client) -> None:
         self._len -= 1
+        self._front = None
         if not self.queues[client]:
             del self.queues[client]
             self.last_left = self.counter(client)
@@ -94,8 +126,9 @@ class VirtualTokenCounter:
         return self._len
 
     def __iter__(self) -> Iterator[SequenceGroup]:
-        """Least-served client first, each client's requests in order."""
-        for client in sorted(self.queues, key=self.counter):
+        """Least-served client first (the front's order), each client's requests in order."""
+        tie = self.tie_break or (lambda c: (0.0, 0.0))
+        for client in sorted(self.queues, key=lambda c: (self.counter(c), tie(c))):
             yield from self.queues[client]
 
     def __contains__(self, group: object) -> bool:

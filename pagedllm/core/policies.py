@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter
@@ -74,24 +74,29 @@ class DisplacingScheduler(Scheduler):
         raise NotImplementedError
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
+        """Admit as the paged scheduler does; then, unless blocks ran short, each head in turn that displaces."""
         super()._admit_waiting(out)
-        if out.budget > 0 and not out.preempted and self.waiting:
-            self._displace_for(self.waiting[0], out)
+        if not out.preempted:
+            while out.budget > 0 and self.waiting and self._displace_for(self.waiting[0], out):
+                pass
 
-    def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> None:
+    def _displace_for(self, head: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Whether the head got in, displacing running groups."""
         victims = [g for g in self._displaceable(head) if g.num_preemptions < DISPLACEMENT_FLOOR]
-        budget = out.budget
-        if not victims or not self._would_fit(head, victims, budget):
-            return
+        budget = self._budget_for(head, out.budget)
+        if not victims or not budget or not self._would_fit(head, victims, budget):
+            return False
         for victim in victims:
             if self._fits(head, budget):
                 break
             self.preempt(victim, out)
             self.num_displacements += 1
-        if self.waiting[0] is head and self._fits(head, budget):  # still the queue's pick once the victims are back
-            writes = self._plan_writes(head, budget)
-            self._admit(head)
-            self._run(head, writes, out)
+        if self.waiting[0] is not head or not self._fits(head, budget):  # the queue's pick once the victims are back
+            return False
+        writes = self._plan_writes(head, budget)
+        self._admit(head)
+        self._run(head, writes, out)
+        return True
 
     def _fits(self, head: SequenceGroup, budget: int) -> bool:
         return self.num_running_seqs + head.num_unfinished <= self.max_num_seqs and \
@@ -135,33 +140,123 @@ class FairScheduler(DisplacingScheduler):
     request is first admitted and every token sampled for it. When blocks run out, the client served most loses its
     newest running group. Seats are shared too: a waiting client below its weighted share of the seats displaces
     the newest running groups of clients above theirs (else a light client waits for a heavy one's request to end,
-    however little it was served)."""
+    however little it was served). Between equal counters the client holding fewer seats goes first, and the step
+    that admits the request of a client whose whole demand fits its share holds back for that step the prompts of
+    clients whose demand exceeds theirs (its first token then costs about what it costs on an idle server)."""
 
     def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.waiting = self.vtc = VirtualTokenCounter(client_weights)
+        self.vtc.tie_break = self._load
+        self._held: set[str | None] = set()  # clients whose prompts wait during this step
+        self._paced: set[str | None] = set()  # clients that start one prompt in this step at most
+        self._prompting: set[str | None] = set()  # the paced clients that have started it
+        self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
+        self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
+        self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
+
+    def schedule(self) -> SchedulerOutput:
+        self._admitted = []
+        self._seats_changed()
+        self._held, self._paced, self._prompting = self._clients_to_hold(), self._clients_to_pace(), set()
+        out = super().schedule()
+        if out.is_empty and not out.preempted and (self._held or self._paced):  # the pick did not get in, and
+            self._held, self._paced = set(), set()  # nothing else ran: never idle
+            self.block_manager.recorder.step -= 1
+            out = super().schedule()
+        return out
 
     def _admit(self, group: SequenceGroup) -> None:
         super()._admit(group)
+        self._admitted.append(group)
+        self._seats_changed()
         if not group.num_preemptions:  # a preempted group's prompt was charged when it first ran
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
 
-    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
-        """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
-        clients running and the head's), the running groups of clients over their share, most served first."""
-        seats: Counter[str | None] = Counter()
-        for g in self.running:
-            seats[g.client] += g.num_unfinished
-        total = sum(self.vtc.weight(c) for c in set(seats) | {head.client})
+    def _budget_for(self, group: SequenceGroup, budget: int) -> int:
+        if group.is_decoding or group.client not in self._held | self._paced:
+            return budget
+        if group.client in self._held or group.client in self._prompting:
+            return 0
+        self._prompting.add(group.client)
+        return budget
+
+    def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        super().preempt(group, out)
+        self._seats_changed()
+
+    def finish(self, group: SequenceGroup) -> None:
+        super().finish(group)
+        self._seats_changed()
+
+    def _seats_changed(self) -> None:
+        self._seat_counts = None
+        self.vtc.reorder()  # its tie-break counts seats
+
+    def _seats(self) -> Counter[str | None]:
+        """The seats each running client holds (read-only: kept until the running groups change)."""
+        if self._seat_counts is None:
+            self._seat_counts = Counter()
+            for g in self.running:
+                self._seat_counts[g.client] += g.num_unfinished
+        return self._seat_counts
+
+    def _shares(self, seats: Counter[str | None], head: str | None) -> Callable[[str | None], float]:
+        """A client's share of the seats: max_num_seqs x its weight / the weights of the clients running (`seats`),
+        the head's and its own."""
+        weight = self.vtc.weight
+        base = sum(weight(c) for c in seats) + (0.0 if head in seats else weight(head))
 
         def share(client: str | None) -> float:
-            return self.max_num_seqs * self.vtc.weight(client) / total
+            return self.max_num_seqs * weight(client) / (base + (0.0 if client in seats or client == head
+                                                                  else weight(client)))
+        return share
 
+    def _load(self, client: str | None) -> tuple[float, float]:
+        """The tie-break between equal counters: seats held, then requests waiting, per weight."""
+        weight = self.vtc.weight(client)
+        return self._seats()[client] / weight, len(self.vtc.queues.get(client, ())) / weight
+
+    def _clients_to_hold(self) -> set[str | None]:
+        """If the queue's pick is of a client whose running and waiting sequences all fit its share, and it can get
+        a seat (free, or by a displacement), the other clients whose demand exceeds their share: their prompts wait
+        for a step (decodes go on). Once per waiting group, so a pick that does not get in holds no one twice."""
+        self._held_for = {k: g for k, g in self._held_for.items() if g in self.waiting}
+        if not self.waiting or id(self.waiting[0]) in self._held_for:
+            return set()
+        head, seats = self.waiting[0], self._seats()
+        client, share = head.client, self._shares(seats, head.client)
+        if seats[client] + self.vtc.num_waiting(client) > share(client):
+            return set()
+        if self.num_running_seqs + head.num_unfinished > self.max_num_seqs and not any(
+                g.num_preemptions < DISPLACEMENT_FLOOR for g in self._displaceable(head)):
+            return set()
+        self._held_for[id(head)] = head
+        others = (set(seats) | set(self.vtc.queues)) - {client}
+        return {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
+
+    def _clients_to_pace(self) -> set[str | None]:
+        """While a client whose demand fits its share runs, the clients whose demand exceeds theirs: each starts one
+        prompt per step at most, so that no step computes a batch of their prompts at once (a light request arriving
+        meanwhile would wait for all of it)."""
+        seats = self._seats()
+        if len(seats) < 2 and not self.vtc.queues.keys() - seats.keys():
+            return set()
+        share = self._shares(seats, next(iter(seats), None))
+        over = {c for c in seats.keys() | self.vtc.queues.keys() if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        return over if seats.keys() - over else set()
+
+    def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
+        """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
+        clients running and the head's), the running groups of clients over their share and served at least as
+        much (the head stays the queue's pick: a tie goes to the client holding fewer seats), most served first."""
+        seats = self._seats()
+        share = self._shares(seats, head.client)
         if seats[head.client] + head.num_unfinished > share(head.client):
             return []
-        served = self.vtc.counter(head.client)  # only clients served more: the head stays the queue's pick
-        over = [g for g in reversed(self.running)
-                if seats[g.client] > share(g.client) and self.vtc.counter(g.client) > served]
+        served, admitted = self.vtc.counter(head.client), {id(g) for g in self._admitted}
+        over = [g for g in reversed(self.running) if id(g) not in admitted and self.vtc.counter(g.client) >= served
+                and seats[g.client] > share(g.client)]
         return sorted(over, key=lambda g: -self.vtc.counter(g.client))  # stable: a client's newest first
 
     def _victim(self) -> SequenceGroup:

@@ -67,7 +67,7 @@ class Scheduler:
             if out.budget == 0:
                 break
             if group.status is SequenceStatus.RUNNING:  # not preempted earlier in this loop
-                writes = self._plan_writes(group, out.budget, speculate)
+                writes = self._plan_writes(group, self._budget_for(group, out.budget), speculate)
                 if self._make_room(group, writes, out):
                     self._run(group, writes, out)
         self._admit_waiting(out)
@@ -87,8 +87,9 @@ class Scheduler:
         """FCFS while seats, budget and free blocks last; nothing new joins a step that had to preempt."""
         while out.budget > 0 and not out.preempted and self._seats_for_next():
             group = self.waiting[0]
-            writes = self._plan_writes(group, out.budget)
-            if self._blocks_after_evicting_idle_adapters(group, writes) > self.block_manager.num_free_blocks:
+            writes = self._plan_writes(group, self._budget_for(group, out.budget))
+            if not writes or self._blocks_after_evicting_idle_adapters(group, writes) > \
+                    self.block_manager.num_free_blocks:
                 break
             self._admit(group)
             self._run(group, writes, out)
@@ -150,6 +151,11 @@ class Scheduler:
             out.budget -= w.end - w.start
 
     # ---- hooks the baselines and policies override ---------------------------------------------------------------
+    def _budget_for(self, group: SequenceGroup, budget: int) -> int:
+        """The tokens `group` may take of what is left of the step's budget: all of it (a policy may hold a prompt
+        back for a step)."""
+        return budget
+
     def _victim(self) -> SequenceGroup:
         """The running group to preempt when blocks run out: the newest."""
         return self.running[-1]

@@ -15,6 +15,7 @@ from test_scheduler import Sim
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, max_service_gap
+from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.policies import DISPLACEMENT_FLOOR, FairScheduler, PriorityScheduler, priority_key
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
@@ -59,20 +60,29 @@ def test_make_scheduler_picks_the_policy():
        num_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 6), budget=st.integers(1, 48),
        seed=st.integers(0, 10_000))
 def test_random_workload_loses_nothing_and_keeps_order(policy, block_size, num_blocks, max_num_seqs, budget, seed):
-    """Every request finishes whole, the blocks' invariants hold after every step (Sim.step checks them), and under
-    priority: admission takes a prefix of the queue in key order, a preempted group is the lowest-priority running
-    one unless the others were floored, and a group is displaced at most DISPLACEMENT_FLOOR times."""
+    """Every request finishes whole, the blocks' invariants hold after every step (Sim.step checks them), a step that
+    preempts no one is never empty while anything waits or runs (under fair, a held prompt runs if the pick does not
+    get in), a displacement takes only running groups below DISPLACEMENT_FLOOR, and under priority: admission takes a
+    prefix of the queue in key order, and a preempted group is the lowest-priority running one unless the others
+    were floored."""
     rng = random.Random(seed)
     sim = policy_sim(policy, num_blocks, block_size, max_num_seqs, budget)
     sim.next_token = lambda seq: rng.randrange(3)
+    plans = record_plans(sim)
     workload = RandomWorkload(sim, rng, lambda step: random_request(rng, step, num_blocks, block_size, max_num_seqs))
     for _ in workload.steps():
         waiting, running = list(sim.sched.waiting), list(sim.sched.running)
         before = {id(g): g.num_preemptions for g in waiting + running}
-        displaced = getattr(sim.sched, "num_displacements", 0)
+        displaced = sim.sched.num_displacements
         sim.step()
+        assert plans[-1].scheduled or plans[-1].preempted or not (waiting or running), "an idle step"
+        still_waiting = {id(g) for g in sim.sched.waiting}
+        victims = [g for g in running if id(g) in still_waiting]
+        if sim.sched.num_displacements > displaced:  # a displacement step preempts only for the waiting head
+            assert sim.sched.num_displacements - displaced == len(victims)
+            assert all(before[id(v)] < DISPLACEMENT_FLOOR for v in victims)
         if policy is PriorityScheduler:
-            check_priority_step(sim.sched, waiting, running, before, displaced)
+            check_priority_step(sim.sched, waiting, running, victims, displaced)
     workload.check_all_done()
 
 
@@ -110,21 +120,18 @@ class RandomWorkload:
 
 
 def check_priority_step(sched: PriorityScheduler, waiting: list[SequenceGroup], running: list[SequenceGroup],
-                        before: dict[int, int], displaced: int) -> None:
+                        victims: list[SequenceGroup], displaced: int) -> None:
     still_waiting = {id(g) for g in sched.waiting}
     admitted = [g for g in waiting if id(g) not in still_waiting]
     if admitted and sched.waiting:
         assert max(map(priority_key, admitted)) < min(map(priority_key, sched.waiting)), "admitted out of order"
-    victims = [g for g in running if id(g) in still_waiting]
     for v in victims:
         for r in sched.running:
             assert priority_key(r) < priority_key(v) or r.num_preemptions >= DISPLACEMENT_FLOOR, \
                 "preempted a higher priority than one left running"
-    if sched.num_displacements > displaced:  # a displacement step preempts only for the waiting head
+    if sched.num_displacements > displaced:  # displaced for the head: only strictly lower priorities
         head = min(admitted, key=priority_key)
-        assert sched.num_displacements - displaced == len(victims)
-        for v in victims:
-            assert before[id(v)] < DISPLACEMENT_FLOOR and v.priority > head.priority
+        assert all(v.priority > head.priority for v in victims)
 
 
 def test_high_priority_request_displaces_low_priority_ones():
@@ -167,22 +174,114 @@ def test_displacement_stops_at_the_floor():
     assert "low" in sim.finished
 
 
-def test_a_light_client_below_its_seat_share_displaces_the_heavy_client():
-    """fair: a heavy client holds every seat; a light client's request (below its share: 4 seats / 2 clients)
-    displaces the heavy client's newest running request instead of waiting for one to end; the heavy client keeps its
-    share, and everything finishes."""
+def record_plans(sim: Sim) -> list[SchedulerOutput]:
+    """Every plan the scheduler makes from now on."""
+    plans: list[SchedulerOutput] = []
+    schedule = sim.sched.schedule
+    sim.sched.schedule = lambda: plans.append(schedule()) or plans[-1]
+    return plans
+
+
+def first_tokens(plan: SchedulerOutput) -> set[str]:
+    return {s.seq.request_id for s in plan.scheduled if s.samplers and s.start < s.seq.num_prompt_tokens}
+
+
+def prompt_tokens(plan: SchedulerOutput, prefix: str) -> int:
+    return sum(s.num_new_tokens for s in plan.scheduled
+               if s.seq.request_id.startswith(prefix) and s.start < s.seq.num_prompt_tokens)
+
+
+def test_a_light_client_below_its_seat_share_displaces_the_heavy_client_at_once():
+    """fair: a heavy client holds every seat with more queued; a light client's request, lifted to the heavy client's
+    counter (a tie, which goes to the client holding fewer seats), displaces the heavy client's newest running
+    request in the first step after it arrives and samples its first token there; the heavy client keeps the other
+    seats, and everything finishes."""
     sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
     heavy = [sim.add(request(f"heavy{i}", 8, 30, client="heavy", arrival=i)) for i in range(6)]
     sim.step()
-    assert len(sim.sched.running) == 4
-    light = sim.add(request("light", 4, 2, client="light", arrival=10, first=200))  # lifted to heavy's counter
-    sim.step()  # a tie goes to the client waiting longest; the heavy client's running requests are charged
     sim.step()
-    assert light in sim.sched.running and sim.sched.num_displacements == 1
-    assert heavy[3].status.value == "waiting" and len(sim.sched.running) == 4  # the newest heavy one went
+    assert len(sim.sched.running) == 4
+    light = sim.add(request("light", 4, 2, client="light", arrival=10, first=200))
+    assert sim.sched.vtc.counter("light") == sim.sched.vtc.counter("heavy")
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light"} and plans[-1].preempted == [heavy[3]]
+    assert sim.sched.num_displacements == 1 and heavy[3].status.value == "waiting" and len(sim.sched.running) == 4
     while sim.sched.has_unfinished():
         sim.step()
     assert sorted(sim.finished) == sorted(["light"] + [f"heavy{i}" for i in range(6)])
+    assert light.num_preemptions == 0 and sim.sched.num_displacements == 1
+
+
+def test_light_requests_arriving_together_all_get_in_at_the_next_step():
+    """fair: three light clients' requests arrive in the same step while a heavy client holds every seat: each is
+    below its share (4 seats / 4 clients), so each displaces a heavy request, all in the next step, and each samples
+    its first token there; the heavy client keeps one seat."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    for i in range(6):
+        sim.add(request(f"heavy{i}", 8, 30, client="heavy", arrival=i))
+    sim.step()
+    sim.step()
+    for i in range(3):
+        sim.add(request(f"light{i}", 4, 2, client=f"light{i}", arrival=10 + i, first=200 + 10 * i))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light0", "light1", "light2"} and len(plans[-1].preempted) == 3
+    assert [g.client for g in sim.sched.running].count("heavy") == 1
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert len(sim.finished) == 9 and sim.sched.num_displacements == 3
+
+
+def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
+    """fair: a light request that arrives with a heavy client's batch, or beside a heavy prompt being prefilled in
+    chunks, is admitted in the next step and computes its prompt there with only the running decodes: the heavy
+    prompts (whose client wants more than its share of the seats) wait that one step, then go on, one a step while
+    the light request runs."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    for i in range(6):
+        sim.add(request(f"heavy{i}", 16, 4, client="heavy", arrival=i, first=300 + 20 * i))
+    sim.add(request("light", 8, 4, client="light", arrival=10, first=200))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light"} and prompt_tokens(plans[-1], "heavy") == 0
+    for _ in range(3):  # then one heavy prompt a step while the light request runs
+        sim.step()
+        assert prompt_tokens(plans[-1], "heavy") == 16
+    assert "light" in sim.finished and len(sim.sched.running) == 3
+
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=2, budget=12)
+    plans = record_plans(sim)
+    sim.add(request("heavy0", 40, 4, client="heavy", arrival=0))  # 4 chunks of 12 (10 tokens in the last)
+    sim.add(request("heavy1", 40, 4, client="heavy", arrival=1))
+    sim.step()
+    light = sim.add(request("light", 8, 2, client="light", arrival=10, first=200))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light"} and prompt_tokens(plans[-1], "heavy") == 0 and light.is_decoding
+    sim.step()
+    assert prompt_tokens(plans[-1], "heavy") == 11  # the chunk goes on beside the light decode
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sorted(sim.finished) == ["heavy0", "heavy1", "light"]
+
+
+def test_a_pick_that_does_not_get_in_leaves_no_step_empty():
+    """fair: a light request with a free seat holds the heavy prompt back, but its first chunk needs more blocks than
+    are free: the step runs the heavy chunk after all (never an empty step), and the light request is not held for
+    again; it gets in when the heavy request ends."""
+    sim = policy_sim(FairScheduler, num_blocks=8, block_size=4, max_num_seqs=2, budget=12)
+    plans = record_plans(sim)
+    sim.add(request("heavy0", 30, 2, client="heavy", arrival=0))  # chunks of 12: 6 of the 8 blocks after two
+    sim.add(request("heavy1", 30, 2, client="heavy", arrival=1, first=300))
+    sim.step()
+    sim.step()
+    light = sim.add(request("light", 12, 2, client="light", arrival=10, first=200))  # 3 blocks; 2 are free
+    sim.step()
+    assert [(s.seq.request_id, s.start) for s in plans[-1].scheduled] == [("heavy0", 24)]
+    while sim.sched.has_unfinished():
+        sim.step()
+        assert not plans[-1].is_empty
+    assert sorted(sim.finished) == ["heavy0", "heavy1", "light"] and light.num_preemptions == 0
 
 
 def test_a_client_at_its_seat_share_displaces_nobody():
@@ -212,6 +311,18 @@ def test_vtc_lifts_a_returning_client_to_the_least_waiting_counter():
     d = SequenceGroup.make(request("d", 4, 4, client="d"))
     vtc.append(d)  # nobody waits: lifted to the last to leave
     assert vtc.counter("d") == 100
+
+
+def test_vtc_breaks_ties_by_its_tie_break_then_by_waiting_time():
+    vtc = VirtualTokenCounter()
+    a, b, c = (SequenceGroup.make(request(x, 4, 4, client=x)) for x in "abc")
+    for g in (a, b, c):
+        vtc.append(g)
+    assert vtc[0] is a and list(vtc) == [a, b, c]  # all at 0: the one waiting longest
+    vtc.tie_break = {"a": (2.0, 0.0), "b": (1.0, 5.0), "c": (1.0, 3.0)}.__getitem__
+    assert vtc[0] is c and list(vtc) == [c, b, a]
+    vtc.charge("c", 1)
+    assert vtc[0] is b and list(vtc) == [b, a, c]  # the counter comes first
 
 
 def test_vtc_forgets_idle_clients_a_lift_would_raise_anyway(monkeypatch):

@@ -14,6 +14,7 @@ from pagedllm import LLM, LLMEngine, SamplingParams
 from pagedllm.config import BATCHING_MODES, KV_POLICIES, EngineConfig
 from pagedllm.core.baselines import reservation_tokens
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
+from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.service import service_bound
 from pagedllm.errors import InvalidRequestError
 
@@ -339,3 +340,34 @@ def test_the_engines_service_ledger_keeps_the_vtc_bound_under_fair_only(tiny_mod
     assert clients["bob"].service == INPUT_WEIGHT * 32 + OUTPUT_WEIGHT * 16
     assert fair[-1][0] == fcfs[-1][0]  # the same work in the end, in another order
     assert max_service_gap(fair) <= bound < max_service_gap(fcfs)
+
+
+
+def light_after_heavy(model: str, policy: str) -> tuple[bool, SchedulerOutput]:
+    """A heavy client holds both seats with more queued; a light client's request comes between two steps: whether
+    the next step sampled its first token, and that step's plan. Then everything runs to the end."""
+    engine = make_engine(model, num_blocks=32, block_size=8, max_model_len=128, max_num_seqs=2,
+                         max_num_batched_tokens=64, scheduling_policy=policy)
+    rng = random.Random(3)
+    for i in range(4):
+        engine.add_request(f"heavy{i}", [rng.randrange(100, 40000) for _ in range(24)],
+                           SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, client="heavy"))
+    engine.step()
+    engine.step()
+    engine.add_request("light", [rng.randrange(100, 40000) for _ in range(8)],
+                       SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, client="light"))
+    schedule, plans = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    outputs = {out.request_id: out for out in engine.step()}
+    run(engine)
+    return "light" in outputs and len(outputs["light"].outputs[0].token_ids) == 1, plans[0]
+
+
+def test_under_fair_a_light_request_gets_its_first_token_in_the_step_after_it_arrives(tiny_model_dir):
+    """The engine, not a model of it: under fair the light request is admitted by the very next step (displacing
+    the heavy client's newest request, and with no heavy prompt in that step) and samples its first token there;
+    under fcfs it waits its turn."""
+    first, plan = light_after_heavy(tiny_model_dir, "fair")
+    assert first and [g.request_id for g in plan.preempted] == ["heavy1"]
+    assert all(s.num_new_tokens == 1 for s in plan.scheduled if s.seq.request_id != "light")
+    assert not light_after_heavy(tiny_model_dir, "fcfs")[0]
