@@ -20,9 +20,12 @@ from pagedllm.bench.serve import (
     default_threshold,
     engine_actions,
     free_port,
+    gauge_values,
     max_sustainable_rates,
+    parse_metrics,
     passthrough_argv,
     plot_timelines,
+    run_async,
     run_benchmark,
     servable,
     summarize,
@@ -128,6 +131,32 @@ def test_unreachable_server_counts_every_request_as_failed(path: str) -> None:
     assert summary["request_rate"] == "inf" and summary["normalized_latency_s_per_token"] is None
     assert summary["mean_ttft_s"] is None and summary["peak_num_running"] is None and run.timeline == []
     json.dumps(summary, allow_nan=False)
+
+
+def test_gauge_values_read_the_same_samples_as_the_full_parser() -> None:
+    """The timeline's quick read of /metrics agrees with prometheus_client's parser, labels, histograms and all."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    Gauge("pagedllm:num_requests_running", "running", registry=registry).set(7)
+    waiting = Gauge("pagedllm:num_requests_waiting", "waiting", ["client"], registry=registry)
+    waiting.labels("a").set(2)
+    waiting.labels('b{"},').set(3.5)  # a label value with the characters that end a label set
+    Counter("pagedllm:generation_tokens", "tokens", ["model"], registry=registry).labels("m").inc(1e9 + 0.25)
+    Histogram("pagedllm:e2e_request_latency_seconds", "e2e", registry=registry).observe(0.3)
+    text = generate_latest(registry).decode()
+    full = parse_metrics(text)
+    assert full["pagedllm:num_requests_waiting"] == 5.5 and full["pagedllm:num_requests_running"] == 7
+    assert gauge_values(text, set(full)) == full
+    assert gauge_values(text, {"pagedllm:num_requests_running", "absent"}) == {"pagedllm:num_requests_running": 7}
+
+
+def test_run_async_returns_the_coroutines_result() -> None:
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    assert run_async(answer()) == 42
 
 
 def test_beam_search_requests_are_skipped(capsys: pytest.CaptureFixture) -> None:

@@ -3,7 +3,9 @@ response or a stream of events."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -67,13 +69,14 @@ def completion_events(req: CompletionRequest, request_id: str, model: str, promp
     """One event per choice delta (the echo before a choice's first text), then the usage if asked for."""
     created = now()
     text_offsets = [0] * (len(streams) * req.n)
+    chunks = TextChunks(request_id, created, model)
 
     def event(d: ChoiceDelta) -> str:
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(d.output, d.first_token, text_offsets[d.index])
-            text_offsets[d.index] += sum(len(t) for t in logprobs.tokens)
         text = echoes[d.index // req.n] + d.text if d.first else d.text
+        if req.logprobs is None:
+            return chunks.text(d.index, text, d.output.finish_reason, d.output.stop_reason)
+        logprobs = completion_logprobs(d.output, d.first_token, text_offsets[d.index])
+        text_offsets[d.index] += sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(index=d.index, text=text, logprobs=logprobs, **finish_fields(d.output))
         return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
 
@@ -84,3 +87,28 @@ def completion_events(req: CompletionRequest, request_id: str, model: str, promp
                                       usage=usage(prompts, completion_tokens)))
 
     return stream_events(streams, len(text_offsets), req.logprobs is not None, event, last)
+
+
+NO_FINISH = 'null,"stop_reason":null'
+
+
+def json_value(value: int | str | None) -> str:
+    """A finish or stop reason as pydantic writes it (non-ASCII text as is)."""
+    return "null" if value is None else encode_basestring(value) if isinstance(value, str) else json.dumps(value)
+
+
+class TextChunks:
+    """A stream's events without logprobs, the same bytes as sse(CompletionResponse(...)): the response's fields
+    serialized once, each event's text and finish joined in. The event loop builds one per streamed token, and the
+    two pydantic models plus their serialization were a tenth of its time serving 64 streams."""
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        empty = CompletionResponse(id=request_id, created=created, model=model, choices=[]).model_dump_json()
+        head, self.tail = empty.split('"choices":[]')
+        self.head = f'data: {head}"choices":[{{"index":'
+
+    def text(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+        finish = NO_FINISH if finish_reason is None and stop_reason is None else \
+            f'{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}'
+        choice = f'{index},"text":{encode_basestring(text)},"logprobs":null,"finish_reason":{finish}'
+        return f"{self.head}{choice}}}]{self.tail}\n\n"
