@@ -209,14 +209,16 @@ class LoRAStack:
             rows[layer, kind, "b"] = torch.cat(tiles)
         return rows
 
-    def dense(self, layer: int, kind: str, slots: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense(self, layer: int, kind: str, slots: slice, only: set[int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots' A [S, in, W] and B [S, W, out] read back from their pages (zeros where no adapter targets the
-        matmul): the torch path's operands."""
+        matmul, and for slots not in `only`: an evicted adapter's pages may hold K/V now): the torch path's
+        operands."""
         widths, width = self.widths[kind], self.row_widths[kind]
         a = torch.zeros(slots.stop - slots.start, self.in_features[kind], width, dtype=self.dtype)
         b = torch.zeros(slots.stop - slots.start, width, sum(widths), dtype=self.dtype)
         for i, slot in enumerate(range(slots.start, slots.stop)):
-            if (layer, kind, "a") not in self.pieces[slot]:
+            if (layer, kind, "a") not in self.pieces[slot] or (only is not None and slot not in only):
                 continue
             ranks = self.ranks[layer][kind][slot].tolist()
             a[i, :, :self.a_width(ranks)] = self._read(slot, layer, kind, "a", ranks, self.in_features[kind])
@@ -248,7 +250,7 @@ class LoRAStack:
                                self.ranks[layer][kind], self.max_rank, self.widths[kind], self.row_widths[kind],
                                self.page_bytes)
             return out
-        a, b = self.dense(layer, kind, batch.padded[0])
+        a, b = self.dense(layer, kind, batch.padded[0], set(batch.slots.tolist()))
         return self.add_delta_padded(out, x, a, b, batch, slice(0, len(a)))
 
     @staticmethod

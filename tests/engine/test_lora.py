@@ -142,6 +142,30 @@ def test_adapter_blocks_hold_its_weights_then_serve_kv(tiny_model_dir, adapters)
     engine.check_invariants()
 
 
+def test_the_torch_path_reads_only_the_steps_slots(tiny_model_dir, adapters):
+    """The torch path's dense copy of the pages skips the slots of no token of the step: an evicted adapter's slot
+    between two used ones may point at blocks that hold K/V now (NaN here), and must change nothing."""
+    import torch
+
+    from pagedllm.model.lora import LoRABatch
+
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=3, max_lora_rank=16,
+              attention_backend="reference")
+    llm.generate(["hi"] * 3, greedy(1), use_tqdm=False, lora_request=[r for r in adapters if r is not None])
+    runner, lora = llm.engine.runner, llm.engine.runner.model.lora
+    assert lora.ext is None and sorted(runner.adapter_slots.values()) == [0, 1, 2]
+    kind = sorted(lora.kinds[1])[0]  # a fused matmul slot 1's adapter targets
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, lora.in_features[kind], generator=g)
+    base = torch.randn(4, sum(lora.widths[kind]), generator=g)
+    batch = LoRABatch.build(torch.tensor([0, 2, 0, 2]), torch.float32)
+    expected = lora.add_delta(base.clone(), x, 0, kind, batch)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[lora.blocks[1]] = float("nan")
+        v_cache[lora.blocks[1]] = float("nan")
+    assert torch.equal(lora.add_delta(base.clone(), x, 0, kind, batch), expected)
+
+
 def test_one_step_runs_several_adapters(tiny_model_dir, adapters):
     """The adapters really share steps (not one adapter's requests after another's)."""
     llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)

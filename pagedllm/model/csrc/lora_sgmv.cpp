@@ -71,11 +71,14 @@ void shrink_tile(const T* const* xr, const int64_t* pages, int64_t rpp, int64_t 
   for (int64_t i0 = 0; i0 < in; i0 += rpp) {
     const T* a = reinterpret_cast<const T*>(pages[i0 / rpp]) + c0;  // row i0 of the page's rows
     const int64_t n = std::min(in - i0, rpp);
+    // the next page's first rows are fetched ahead while this page's last ones are multiplied
+    const T* next = i0 + rpp < in ? reinterpret_cast<const T*>(pages[i0 / rpp + 1]) + c0 - n * lda : nullptr;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t i = i0 + j;
+      const T* ahead = j + kPrefetchRows < n ? a : next;
       v16 av[NV];
       for (int v = 0; v < NV; ++v) {
-        if (j + kPrefetchRows < n) __builtin_prefetch(a + (j + kPrefetchRows) * lda + 16 * v);
+        if (ahead != nullptr) __builtin_prefetch(ahead + (j + kPrefetchRows) * lda + 16 * v);
         av[v] = load16(a + j * lda + 16 * v);
       }
       for (int t = 0; t < kShrinkTokens; ++t) {
