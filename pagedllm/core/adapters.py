@@ -14,7 +14,8 @@ NO_ADAPTER = 0  # a request on the base model
 
 class AdapterSlots:
     """`max_loras` slots; an adapter is resident from its first admitted group until evicted, idle while no running
-    group uses it. Each load is queued (`take_loads`) for the model runner to copy before the step's forward."""
+    group uses it. Each load is queued (`take_loads`) with the blocks the adapter holds, for the model runner to write
+    its weights into before the step's forward."""
 
     def __init__(self, max_loras: int = 0, block_manager: BlockManager | None = None) -> None:
         self.max_loras = max_loras
@@ -24,7 +25,7 @@ class AdapterSlots:
         self.users: Counter[int] = Counter()  # running groups per resident adapter
         self.idle: OrderedDict[int, None] = OrderedDict()  # resident adapters no group uses, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: slot 0 first
-        self.loads: list[tuple[int, int]] = []  # (adapter, slot) copies not yet handed to the runner
+        self.loads: list[tuple[int, int, tuple[int, ...]]] = []  # (adapter, slot, its blocks) not yet handed over
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -50,9 +51,11 @@ class AdapterSlots:
         if lora_int_id not in self.slot_of:
             slot = self.free_slots.pop() if self.free_slots else self.evict_idle()
             self.slot_of[lora_int_id] = slot
+            blocks: tuple[int, ...] = ()
             if self.block_manager is not None:
                 self.block_manager.hold_adapter(lora_int_id, self.sizes.get(lora_int_id, 0))
-            self.loads.append((lora_int_id, slot))
+                blocks = tuple(self.block_manager.adapter_blocks[lora_int_id])
+            self.loads.append((lora_int_id, slot, blocks))
             self.num_loads += 1
         self.idle.pop(lora_int_id, None)
         self.users[lora_int_id] += 1
@@ -96,7 +99,7 @@ class AdapterSlots:
         self.sizes.pop(lora_int_id, None)
         return True
 
-    def take_loads(self) -> list[tuple[int, int]]:
+    def take_loads(self) -> list[tuple[int, int, tuple[int, ...]]]:
         loads, self.loads = self.loads, []
         return loads
 

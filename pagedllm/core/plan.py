@@ -26,13 +26,13 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     """The plan of one step; `copies` are copy-on-write (src, dst) blocks the runner copies before the forward, and
-    `lora_loads` the adapters it loads into their slots."""
+    `lora_loads` the adapters it writes into the blocks they hold and points their slots at."""
 
     budget: int  # tokens still free in this step
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    lora_loads: list[tuple[int, int]] = field(default_factory=list)  # (adapter, slot) to copy in before the forward
+    lora_loads: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # (adapter, slot, blocks)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -73,6 +73,8 @@ class ModelRunner:
         self.generators: dict[Hashable, torch.Generator] = {}
         self.timer: PartTimer = NO_TIMER
         self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
+        if model.lora is not None:
+            model.lora.bind(self.kv_caches)  # resident adapters' weights are written into blocks of this pool
         self.adapters = AdapterStore(self.read_adapter)  # every registered LoRA adapter's folder and CPU copy
         self.adapter_slots: dict[int, int] = {}  # resident adapter -> its slot in model.lora
 
@@ -139,15 +141,15 @@ class ModelRunner:
         self.adapter_slots.pop(lora_int_id, None)
 
     def adapter_blocks(self, adapter: LoRAAdapter) -> int:
-        """KV blocks an adapter's weights count as in the pool (S-LoRA's unified paging), rounded up."""
-        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
-        return -(-adapter.nbytes // per_block)
+        """KV blocks an adapter's weights fill in the pool (S-LoRA's unified paging): its paged layout's."""
+        return self.model.lora.blocks_needed(adapter)
 
-    def load_adapters(self, loads: list[tuple[int, int]]) -> None:
-        """Copy adapters into the slots the scheduler gave them, before the step that first runs them."""
-        for lora_int_id, slot in loads:
+    def load_adapters(self, loads: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """Write adapters into the blocks they hold and point their slots at them, before the step that first runs
+        them."""
+        for lora_int_id, slot, blocks in loads:
             self.adapter_slots = {a: s for a, s in self.adapter_slots.items() if s != slot}
-            self.model.lora.load(slot, self.adapters.get(lora_int_id))
+            self.model.lora.load(slot, self.adapters.get(lora_int_id), list(blocks))
             self.adapter_slots[lora_int_id] = slot
 
     def lora_batch(self, scheduled: list[ScheduledSeq], lens: torch.Tensor) -> LoRABatch | None:

@@ -22,7 +22,10 @@ def test_resident_adapters_hold_blocks_and_only_idle_ones_are_evicted():
     bm, slots = make()
     slots.acquire(1)
     slots.acquire(2)
-    assert bm.num_free_blocks == 20 - 3 - 5 and slots.take_loads() == [(1, 0), (2, 1)]
+    loads = slots.take_loads()  # each with the blocks its adapter holds, where the runner writes its weights
+    assert bm.num_free_blocks == 20 - 3 - 5 and [(a, s) for a, s, _ in loads] == [(1, 0), (2, 1)]
+    assert [list(blocks) for *_, blocks in loads] == [bm.adapter_blocks[1], bm.adapter_blocks[2]]
+    assert [len(blocks) for *_, blocks in loads] == [3, 5]
     assert not slots.can_acquire(3)  # both slots run
     slots.acquire(1)  # a second group of adapter 1: no load
     slots.release(1)
@@ -30,7 +33,7 @@ def test_resident_adapters_hold_blocks_and_only_idle_ones_are_evicted():
     slots.release(1)
     assert slots.can_acquire(3) and slots.blocks_to_acquire(3) == 4 - 3  # it takes adapter 1's slot and blocks
     slots.acquire(3)
-    assert slots.take_loads() == [(3, 0)] and slots.num_evictions == 1
+    assert slots.take_loads() == [(3, 0, tuple(bm.adapter_blocks[3]))] and slots.num_evictions == 1
     assert bm.num_free_blocks == 20 - 5 - 4 and set(bm.adapter_blocks) == {2, 3}
     slots.check()
     bm.check()
@@ -73,14 +76,15 @@ def test_a_request_whose_adapter_has_no_slot_waits_and_later_ones_go_first():
         scheduler.add(group)
     plan = scheduler.schedule()
     assert {s.seq.request_id for s in plan.scheduled} == {"a", "c", "d"}  # b's adapter has no slot: it waits
-    assert plan.lora_loads == [(1, 0)] and list(scheduler.waiting) == [b]
+    assert plan.lora_loads == [(1, 0, tuple(scheduler.block_manager.adapter_blocks[1]))]
+    assert list(scheduler.waiting) == [b]
     assert scheduler.block_manager.num_adapter_blocks == 2
     for group in (a, c):
         for seq in group.seqs:
             seq.finish("length")
         scheduler.finish(group)
     plan = scheduler.schedule()  # adapter 1 is idle now: evicted for adapter 2
-    assert "b" in {s.seq.request_id for s in plan.scheduled} and plan.lora_loads == [(2, 0)]
+    assert "b" in {s.seq.request_id for s in plan.scheduled} and [load[:2] for load in plan.lora_loads] == [(2, 0)]
     assert set(scheduler.block_manager.adapter_blocks) == {2}
     scheduler.adapters.check()
     scheduler.block_manager.check()

@@ -89,7 +89,9 @@ def test_adapter_weights_are_paged_with_the_kv_cache(tiny_model_dir, adapters):
     big = next(r for r in adapters if r is not None and r.lora_int_id == 3)
     prompt = prompts()[0]
     first = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
-    assert bm.num_adapter_blocks == engine.scheduler.adapters.sizes[3] == 44  # 90,112 bytes / 2,048 per block
+    # its paged layout: per layer, A's 64 or 128 rows of 16 floats and B's 16 rows per 64 output columns, 176 pages
+    # of 512 bytes (one layer's K or V of a block), 4 a block: its 90,112 bytes exactly (rank 16: no padding)
+    assert bm.num_adapter_blocks == engine.scheduler.adapters.sizes[3] == 44
     assert engine.stats().lora_adapters_resident == 1
     long_prompt = [100 + i for i in range(60)]  # 18 blocks with its output: more than the 16 the adapter leaves
     llm.generate({"prompt_token_ids": long_prompt}, greedy(MAX_TOKENS), use_tqdm=False)
@@ -101,6 +103,67 @@ def test_adapter_weights_are_paged_with_the_kv_cache(tiny_model_dir, adapters):
     assert engine.runner.adapters.num_reads == 1  # read from its folder again
     engine.check_invariants()
     engine.scheduler.adapters.check()
+
+
+def test_adapter_blocks_hold_its_weights_then_serve_kv(tiny_model_dir, adapters):
+    """The blocks a resident adapter holds contain its weights' bytes and the kernel reads them there (NaN written
+    into them reaches the output); evicted, those blocks hold other sequences' K/V, whose outputs stay exact, and the
+    adapter, loaded again into other blocks, gives its outputs again."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model.lora import LoRABatch
+
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=1, max_lora_rank=16,
+              num_blocks=60, max_num_batched_tokens=16, enable_prefix_caching=True)
+    engine, bm, runner = llm.engine, llm.engine.block_manager, llm.engine.runner
+    lora, big = runner.model.lora, next(r for r in adapters if r is not None and r.lora_int_id == 3)
+    first = llm.generate({"prompt_token_ids": prompts()[0]}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    held = list(bm.adapter_blocks[3])
+    pool = b"".join(lora.page(held, i).numpy().tobytes() for i in range(len(held) * 2 * lora.num_layers))
+    adapter = runner.adapters.get(3)
+    for (_, projection), (a, b) in adapter.weights.items():
+        if projection in ("o_proj", "down_proj"):  # one projection, rank 16: its A and B^T rows are contiguous
+            assert a.T.contiguous().numpy().tobytes() in pool and b.T.contiguous().numpy().tobytes() in pool
+    x = torch.randn(3, lora.in_features["o"])
+    batch = LoRABatch.build(torch.tensor([runner.adapter_slots[3]] * 3), torch.float32)
+    assert lora.add_delta(torch.zeros(3, 64), x, 0, "o", batch).isfinite().all()
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[held] = float("nan")
+        v_cache[held] = float("nan")
+    assert lora.add_delta(torch.zeros(3, 64), x, 0, "o", batch).isnan().all()  # read from the blocks themselves
+    long_prompt = [100 + i for i in range(60)]  # 18 blocks with its output: some of the adapter's
+    out = llm.generate({"prompt_token_ids": long_prompt}, greedy(MAX_TOKENS), use_tqdm=False)
+    assert bm.num_adapter_blocks == 0 and set(bm.pool.contents) & set(held)  # its K/V cached in former adapter blocks
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert_matches_reference(out[0].outputs[0].token_ids, *hf_greedy(hf, long_prompt, MAX_TOKENS))
+    again = llm.generate({"prompt_token_ids": prompts()[0]}, greedy(MAX_TOKENS), use_tqdm=False, lora_request=big)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    engine.check_invariants()
+
+
+def test_the_torch_path_reads_only_the_steps_slots(tiny_model_dir, adapters):
+    """The torch path's dense copy of the pages skips the slots of no token of the step: an evicted adapter's slot
+    between two used ones may point at blocks that hold K/V now (NaN here), and must change nothing."""
+    import torch
+
+    from pagedllm.model.lora import LoRABatch
+
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, enable_lora=True, max_loras=3, max_lora_rank=16,
+              attention_backend="reference")
+    llm.generate(["hi"] * 3, greedy(1), use_tqdm=False, lora_request=[r for r in adapters if r is not None])
+    runner, lora = llm.engine.runner, llm.engine.runner.model.lora
+    assert lora.ext is None and sorted(runner.adapter_slots.values()) == [0, 1, 2]
+    kind = sorted(lora.kinds[1])[0]  # a fused matmul slot 1's adapter targets
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, lora.in_features[kind], generator=g)
+    base = torch.randn(4, sum(lora.widths[kind]), generator=g)
+    batch = LoRABatch.build(torch.tensor([0, 2, 0, 2]), torch.float32)
+    expected = lora.add_delta(base.clone(), x, 0, kind, batch)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[lora.blocks[1]] = float("nan")
+        v_cache[lora.blocks[1]] = float("nan")
+    assert torch.equal(lora.add_delta(base.clone(), x, 0, kind, batch), expected)
 
 
 def test_one_step_runs_several_adapters(tiny_model_dir, adapters):
@@ -190,12 +253,13 @@ def test_bfloat16_kernel_equals_the_torch_path(tiny_model_dir, adapters):
     assert lora.ext is not None and len(slots) == len(adapters) - 1
     g = torch.Generator().manual_seed(0)
     batch = LoRABatch.build(torch.tensor([-1, *slots.values()] * 5)[torch.randperm(20, generator=g)], torch.bfloat16)
-    for layer in range(len(lora.a)):
+    for layer in range(lora.num_layers):
         for kind in FUSED:
-            x = torch.randn(20, lora.a[layer][kind].shape[1], generator=g).to(torch.bfloat16)
-            base = torch.randn(20, lora.b[layer][kind].shape[2], generator=g).to(torch.bfloat16)
+            x = torch.randn(20, lora.in_features[kind], generator=g).to(torch.bfloat16)
+            base = torch.randn(20, sum(lora.widths[kind]), generator=g).to(torch.bfloat16)
             got = lora.add_delta(base.clone(), x, layer, kind, batch)
-            expected = lora.add_delta_padded(base.clone(), x, lora.a[layer][kind], lora.b[layer][kind], batch)
+            a, b = lora.dense(layer, kind, slice(0, lora.max_loras))  # read back from the adapters' blocks
+            expected = lora.add_delta_padded(base.clone(), x, a, b, batch)
             torch.testing.assert_close(got, expected, rtol=2 ** -6, atol=2 ** -6)
             assert not torch.equal(got, base)  # adapter 1 targets every projection
             no_adapter = sorted(set(range(20)) - set(batch.tokens.tolist()))

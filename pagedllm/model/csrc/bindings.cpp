@@ -24,9 +24,9 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
 bool int8_gemm_supported();
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
 bool bf16_gemm_supported();
-void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_pages, const at::Tensor& b_pages,
                const at::Tensor& tokens, const at::Tensor& starts, const at::Tensor& slots, const at::Tensor& ranks,
-               int64_t rank, const std::vector<int64_t>& widths);
+               int64_t rank, const std::vector<int64_t>& widths, int64_t W, int64_t page_bytes);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched inside, so other Python threads (the HTTP server) may run meanwhile.
@@ -48,8 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this build has bf16_gemm's instructions");
   m.def("lora_sgmv", &lora_sgmv, "out[t] += B_slot (A_slot x[t]) for the tokens of each slot's segment (Punica's "
-        "SGMV): tokens sorted by slot, starts [S + 1], slots [S], each slot's rank per projection; B block-diagonal "
-        "over the projections' widths",
+        "SGMV): tokens sorted by slot, starts [S + 1], slots [S], each slot's rank per projection; A and B read from "
+        "pages (KV cache blocks) through each slot's page tables of addresses",
         nogil);
   m.def("int8_gemm_supported", &int8_gemm_supported, "Whether this build has int8_gemm's instructions");
 }
