@@ -6,7 +6,6 @@ fp32 on >= 95% of first tokens and its mean top-5 logprob error is at most 1.25x
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.bench.datasets import sample_requests
+from pagedllm.bench.results import write_json
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -91,8 +91,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
         print(f"{name:<26} {r['first_token_agreement']:>11.1%} {r['mean_top5_logprob_error']:>17.4f} "
               f"{r['max_top5_logprob_error']:>6.3f} {r['error_vs_bf16'] or 0:>6.2f}x {verdict:>5}")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

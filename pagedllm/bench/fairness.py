@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from pagedllm.bench.results import write_json
 from pagedllm.bench.serve import (
     RequestResult,
     ServerProcess,
@@ -34,7 +35,6 @@ from pagedllm.bench.serve import (
     http_client,
     passthrough_argv,
     send_request,
-    write_json,
 )
 from pagedllm.config import SCHEDULING_POLICIES, EngineConfig
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap

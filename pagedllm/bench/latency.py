@@ -200,7 +200,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def finish(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict[str, Any], str], None]) -> int:
-    from pagedllm.bench.serve import write_json
+    from pagedllm.bench.results import write_json
 
     if args.output_json:
         write_json(args.output_json, result)

@@ -13,6 +13,7 @@ import random
 import tempfile
 import time
 
+from pagedllm.bench.results import write_json
 from pagedllm.config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
@@ -124,8 +125,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
           f"{many['output_tokens_per_s']} "
           f"({result['many_vs_base']:.0%}), {many['adapter_loads']} loads, {many['failed']} failed requests")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

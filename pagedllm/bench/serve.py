@@ -32,6 +32,7 @@ import aiohttp
 import httpx
 import numpy as np
 
+from pagedllm.bench.results import write_json
 from pagedllm.config import EngineConfig
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -671,11 +672,6 @@ def tokenizer_source(explicit: str | None, model: str, card: dict[str, Any]) -> 
     either is a local path, else None (the default model)."""
     candidates = [explicit, model, card.get("root")]
     return next((c for c in candidates if c and os.path.exists(os.path.expanduser(c))), explicit)
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, allow_nan=False)
 
 
 def context(args: argparse.Namespace) -> dict[str, Any]:

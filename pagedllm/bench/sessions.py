@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from pagedllm.bench.fairness import percentile
+from pagedllm.bench.results import write_json
 from pagedllm.bench.serve import (
     PREEMPTIONS,
     RequestResult,
@@ -45,7 +46,6 @@ from pagedllm.bench.serve import (
     pyplot,
     scrape_metrics,
     send_request,
-    write_json,
 )
 from pagedllm.config import SCHEDULING_POLICIES, EngineConfig
 

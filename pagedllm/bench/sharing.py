@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import random
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedllm.bench.datasets import few_shot_workload, stdlib_docstrings, text_prompts
+from pagedllm.bench.results import write_json
 from pagedllm.config import EngineConfig
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -229,8 +229,7 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print_sharing_tables(result)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

@@ -12,6 +12,7 @@ import statistics
 import time
 from typing import Any
 
+from pagedllm.bench.results import write_json
 from pagedllm.config import EngineConfig
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -130,8 +131,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
               f"the mask costs {run['cost_per_token']:+.1%} per token")
     result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 

@@ -4,7 +4,6 @@ once (or the same workload on Hugging Face transformers with --backend hf)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -17,6 +16,7 @@ from pagedllm.bench.datasets import (
     save_workload,
 )
 from pagedllm.bench.hf_backend import add_hf_args
+from pagedllm.bench.results import write_json
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.kv_trace import TraceRecorder
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -122,8 +122,7 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
           f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s "
           f"({result['input_tokens']} prompt + {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s)")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_json, result)
     return 0
 
 
