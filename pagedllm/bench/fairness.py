@@ -80,10 +80,11 @@ async def send(http: aiohttp.ClientSession, body: dict[str, Any], client: str, t
 
 
 async def light_client(http: aiohttp.ClientSession, model: str, w: Workload, index: int, t0: float,
-                       stop: asyncio.Event, log: list[Sent]) -> None:
+                       stop: asyncio.Event, log: list[Sent], idle: bool) -> None:
     """Send, wait for the answer, think, repeat until `stop`; every client sends at least once (a heavy batch that
-    ends before a staggered start would leave it without a figure)."""
-    rng = random.Random(w.seed * 1000 + index + 1)
+    ends before a staggered start would leave it without a figure). The idle run's prompts differ from the contended
+    run's: on the same server, prompts sent again would hit the prefix cache and make the second run look faster."""
+    rng = random.Random((w.seed * 1000 + index + 1) * 2 + idle)
     name = f"light{index}"
     await asyncio.sleep(w.think_s * index / max(1, w.light_clients))  # staggered starts
     while True:
@@ -103,7 +104,8 @@ async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, durat
     async with http_client(base_url, None) as http:
         since = time.time()  # the service trace's clock
         t0 = time.perf_counter()
-        lights = [asyncio.create_task(light_client(http, model, w, i, t0, stop, log)) for i in range(w.light_clients)]
+        lights = [asyncio.create_task(light_client(http, model, w, i, t0, stop, log, idle=not heavy))
+                  for i in range(w.light_clients)]
         if heavy:
             await asyncio.gather(*(send(http, payload(model, rng, w.heavy_input_len, w.heavy_output_len, "heavy", 1),
                                         "heavy", t0, log) for _ in range(w.heavy_requests)))

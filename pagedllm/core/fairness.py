@@ -32,6 +32,7 @@ class VirtualTokenCounter:
         self._len = 0
         self._prune_at = KEPT_COUNTERS
         self._front: tuple[Client] | None = None  # front_client(), until a counter, a queue or the tie-break changes
+        self._deferred: frozenset[Client] = frozenset()
 
     @property
     def tie_break(self) -> TieBreak | None:
@@ -44,6 +45,15 @@ class VirtualTokenCounter:
     @tie_break.setter
     def tie_break(self, key: TieBreak | None) -> None:
         self._tie_break, self._front = key, None
+
+    @property
+    def deferred(self) -> frozenset[Client]:
+        """Clients that go after every other waiting client for now (the fair scheduler's held ones, for a step)."""
+        return self._deferred
+
+    @deferred.setter
+    def deferred(self, clients: frozenset[Client]) -> None:
+        self._deferred, self._front = clients, None
 
     def counter(self, client: Client) -> float:
         return self.counters.get(client, 0.0)
@@ -82,11 +92,12 @@ class VirtualTokenCounter:
         self._front = None
 
     def front_client(self) -> Client:
-        """The waiting client with the smallest counter; among equals, the least by `tie_break`, then the one waiting
-        longest."""
+        """The waiting client with the smallest counter, not deferred if any is not; among equals, the least by
+        `tie_break`, then the one waiting longest."""
         if self._front is None:
-            least = min(self.queues, key=self.counter)
-            tied = [c for c in self.queues if self.counter(c) == self.counter(least)] if self.tie_break else []
+            clients = [c for c in self.queues if c not in self._deferred] or list(self.queues)
+            least = min(clients, key=self.counter)
+            tied = [c for c in clients if self.counter(c) == self.counter(least)] if self.tie_break else []
             self._front = (min(tied, key=self.tie_break) if len(tied) > 1 else least,)
         return self._front[0]
 

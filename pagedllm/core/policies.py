@@ -142,7 +142,8 @@ class FairScheduler(DisplacingScheduler):
     the newest running groups of clients above theirs (else a light client waits for a heavy one's request to end,
     however little it was served). Between equal counters the client holding fewer seats goes first, and the step
     that admits the request of a client whose whole demand fits its share holds back for that step the prompts of
-    clients whose demand exceeds theirs (its first token then costs about what it costs on an idle server)."""
+    clients whose demand exceeds theirs (its first token then costs about what it costs on an idle server), also when
+    such a client, served more before it idled, comes back behind the queue's pick."""
 
     def __init__(self, *args: object, client_weights: dict[str, float] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -159,11 +160,14 @@ class FairScheduler(DisplacingScheduler):
         self._admitted = []
         self._seats_changed()
         self._held, self._paced, self._prompting = self._clients_to_hold(), self._clients_to_pace(), set()
+        self.vtc.deferred = frozenset(self._held)
         out = super().schedule()
         if out.is_empty and not out.preempted and (self._held or self._paced):  # the pick did not get in, and
             self._held, self._paced = set(), set()  # nothing else ran: never idle
+            self.vtc.deferred = frozenset()
             self.block_manager.recorder.step -= 1
             out = super().schedule()
+        self.vtc.deferred = frozenset()
         return out
 
     def _admit(self, group: SequenceGroup) -> None:
@@ -222,18 +226,38 @@ class FairScheduler(DisplacingScheduler):
         a seat (free, or by a displacement), the other clients whose demand exceeds their share: their prompts wait
         for a step (decodes go on). Once per waiting group, so a pick that does not get in holds no one twice."""
         self._held_for = {k: g for k, g in self._held_for.items() if g in self.waiting}
-        if not self.waiting or id(self.waiting[0]) in self._held_for:
+        seats = self._seats()
+        head = self._first_within_share(seats)
+        if head is None or id(head) in self._held_for:
             return set()
-        head, seats = self.waiting[0], self._seats()
         client, share = head.client, self._shares(seats, head.client)
-        if seats[client] + self.vtc.num_waiting(client) > share(client):
-            return set()
         if self.num_running_seqs + head.num_unfinished > self.max_num_seqs and not any(
                 g.num_preemptions < DISPLACEMENT_FLOOR for g in self._displaceable(head)):
             return set()
         self._held_for[id(head)] = head
         others = (set(seats) | set(self.vtc.queues)) - {client}
         return {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
+
+    def _first_within_share(self, seats: Counter[str | None]) -> SequenceGroup | None:
+        """The first waiting group, least-served client first, of a client whose running and waiting sequences all
+        fit its share: the queue's pick, or one behind a client over its share that a returning client's higher
+        counter puts first (then the held client goes after it, `vtc.deferred`)."""
+        weight, running = self.vtc.weight, sum(self.vtc.weight(c) for c in seats)
+        for group in self._client_heads():
+            c = group.client
+            share = self.max_num_seqs * weight(c) / (running + (0.0 if c in seats else weight(c)))  # as _shares
+            if seats[c] + self.vtc.num_waiting(c) <= share:
+                return group
+        return None
+
+    def _client_heads(self) -> Iterator[SequenceGroup]:
+        """Each waiting client's earliest group, the queue's pick first, then by counter."""
+        if not self.waiting:
+            return
+        front = self.waiting[0]
+        yield front
+        rest = sorted((c for c in self.vtc.queues if c != front.client), key=self.vtc.counter)
+        yield from (self.vtc.queues[c][0] for c in rest)
 
     def _clients_to_pace(self) -> set[str | None]:
         """While a client whose demand fits its share runs, the clients whose demand exceeds theirs: each starts one

@@ -3,9 +3,11 @@ on the tiny model (behaviour only: counts and structure, never a timing)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from pagedllm.bench.fairness import Sent, client_rows, service_samples
+from pagedllm.bench import fairness
+from pagedllm.bench.fairness import Sent, Workload, client_rows, service_samples
 from pagedllm.bench.serve import RequestResult
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
 from pagedllm.entrypoints.cli import main
@@ -27,6 +29,20 @@ def test_service_trace_counts_prompt_at_first_token_and_each_output_token():
     assert max_service_gap(samples) == 0.0
     rows = client_rows(log, duration_s=4.0)
     assert [(r["client"], r["requests"], r["output_tokens"]) for r in rows] == [("a", 1, 3), ("b", 1, 1)]
+
+
+def test_the_idle_run_sends_the_light_clients_other_prompts_than_the_contended_run(monkeypatch):
+    """On the same server, the contended run's light prompts repeated from the idle run would hit the prefix cache."""
+    prompts = []
+
+    async def record(http, body, client, t0, log):
+        prompts.append(body["prompt"])
+    monkeypatch.setattr(fairness, "send", record)
+    stop = asyncio.Event()
+    stop.set()  # one request each
+    for idle in (True, False, True):
+        asyncio.run(fairness.light_client(None, "m", Workload(think_s=0.0), 0, 0.0, stop, [], idle=idle))
+    assert prompts[0] != prompts[1] and prompts[0] == prompts[2]
 
 
 def test_bench_fairness_runs_every_policy(tiny_model_dir, tmp_path):

@@ -265,6 +265,29 @@ def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
     assert sorted(sim.finished) == ["heavy0", "heavy1", "light"]
 
 
+def test_a_returning_light_client_served_more_still_prompts_without_the_heavy_clients_prompts():
+    """fair: a light client served before (its counter above the last one to leave the queue, which a new heavy
+    client is lifted to) returns in the same step as the heavy client's batch: the heavy client is the queue's pick,
+    but its prompts wait that step, so the light prompt runs with no heavy prompt beside it."""
+    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("light-a", 8, 4, client="light", arrival=0, first=200))
+    while sim.sched.has_unfinished():
+        sim.step()
+    for i in range(6):
+        sim.add(request(f"heavy{i}", 16, 4, client="heavy", arrival=10 + i, first=300 + 20 * i))
+    sim.add(request("light-b", 8, 2, client="light", arrival=20, first=250))
+    vtc = sim.sched.vtc
+    assert vtc.counter("light") > vtc.counter("heavy") and sim.sched.waiting[0].client == "heavy"
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light-b"} and prompt_tokens(plans[-1], "heavy") == 0
+    sim.step()
+    assert prompt_tokens(plans[-1], "heavy") == 16  # then one a step while the light request runs
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert len(sim.finished) == 8
+
+
 def test_a_pick_that_does_not_get_in_leaves_no_step_empty():
     """fair: a light request with a free seat holds the heavy prompt back, but its first chunk needs more blocks than
     are free: the step runs the heavy chunk after all (never an empty step), and the light request is not held for
