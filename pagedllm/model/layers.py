@@ -29,36 +29,62 @@ INT8_COLUMN_BLOCK = 4096
 
 
 class Int4Weight:
-    """A GGUF Q4_0 / Q4_1 weight packed once for the C++ int4 kernel (csrc/int4_linear.cpp), which computes with
-    the file's weights exactly: w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values
-    they were."""
+    """A GGUF Q4_0 / Q4_1 weight packed once for a C++ int4 kernel, which computes with the file's weights exactly:
+    w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
+    csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
+    the loader's fp32 ones; each has its own layout."""
 
     GROUP = 32
-    TILE = 16  # output rows per tile
+    TILE = 16  # output rows per tile (bf16 kernel)
+    F32_TILE = 64  # ... and the fp32 one's
     BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType) -> None:
-        rows, cols = q.shape
-        tiles, groups = rows // self.TILE, cols // self.GROUP
-        # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
-        pairs = q.view(tiles, self.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
-        self.packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
-        self.scales, self.mins = (a.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().half()
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self.packed = self.pack_f32(q) if dtype == torch.float32 else self.pack_bf16(q)
+        tiles, tile, groups = self.packed.shape[0], self.tile(dtype), q.shape[1] // self.GROUP
+        self.scales, self.mins = (a.view(tiles, tile, groups).transpose(1, 2).contiguous().half()
                                   for a in (scale, min_))
         self.ext = ext
 
-    @staticmethod
-    def available(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
-                  ext: ModuleType | None) -> bool:
-        """The kernel runs bf16 activations on AVX512-BF16, tiles of 16 rows and groups of 32 inputs, and keeps
-        scale and min in fp16 (exactly GGUF's own)."""
+    @classmethod
+    def tile(cls, dtype: torch.dtype) -> int:
+        return cls.F32_TILE if dtype == torch.float32 else cls.TILE
+
+    @classmethod
+    def pack_bf16(cls, q: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N/16, K/32, 8, 32] (int4_linear.cpp's layout)."""
         rows, cols = q.shape
-        return (ext is not None and ext.int4_linear_supported() and dtype == torch.bfloat16
-                and rows % Int4Weight.TILE == 0 and cols % Int4Weight.GROUP == 0
+        tiles, groups = rows // cls.TILE, cols // cls.GROUP
+        # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
+        pairs = q.view(tiles, cls.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
+        return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
+
+    @classmethod
+    def pack_f32(cls, q: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N/64, K/32, 2, 32, 16] (int4_linear_f32.cpp's layout): byte b of [t, g, h, k] holds columns
+        64t + 32h + b (low nibble) and + 16 (high) at input 32g + k."""
+        rows, cols = q.shape
+        tiles, groups = rows // cls.F32_TILE, cols // cls.GROUP
+        # [tile, half h, nibble n, b, group, k] -> [tile, group, h, k, b, n]
+        split = q.view(tiles, 2, 2, 16, groups, cls.GROUP).permute(0, 4, 1, 5, 3, 2)
+        return (split[..., 0] | (split[..., 1] << 4)).contiguous()
+
+    @classmethod
+    def available(cls, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
+                  ext: ModuleType | None) -> bool:
+        """A kernel runs this dtype's activations here (bf16: AVX512-BF16; fp32: AVX-512F), on whole tiles of output
+        rows and groups of 32 inputs, and scale and min are fp16 values (exactly GGUF's own)."""
+        rows, cols = q.shape
+        kernel = {torch.bfloat16: "int4_linear_supported", torch.float32: "int4_linear_f32_supported"}.get(dtype)
+        return (ext is not None and kernel is not None and getattr(ext, kernel)()
+                and rows % cls.tile(dtype) == 0 and cols % cls.GROUP == 0
                 and all(torch.equal(a.half().float(), a) for a in (scale, min_)))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ext.int4_linear(x.contiguous(), self.packed, self.scales, self.mins)
+        kernel = self.ext.int4_linear_f32 if self.dtype == torch.float32 else self.ext.int4_linear
+        return kernel(x.contiguous(), self.packed, self.scales, self.mins)
 
 
 class Int8Weight:
