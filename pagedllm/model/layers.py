@@ -19,6 +19,9 @@ INT4_MAX_ROWS = 8
 # ... and up to this many where the weight has no bf16_gemm form (no AVX512-BF16 kernel, or an AMX CPU): against
 # oneDNN's matmul the int4 kernel held its own up to 32 rows (docs/scripts/int4_rows.py).
 INT4_MAX_ROWS_WITHOUT_BF16_GEMM = 32
+# ... and up to this many in an fp32 model (csrc/int4_linear_f32.cpp against oneDNN's fp32 matmul on the Intel Xeon
+# kind without AVX512-BF16, docs/performance.md): a third of the bytes, and as many FMAs as oneDNN's up to here.
+INT4_F32_MAX_ROWS = 128
 # Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
 # instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); from ~384 rows the two are
 # within 3%, and oneDNN keeps the big (prefill) steps it has always run.
@@ -77,10 +80,14 @@ class Int4Weight:
         """A kernel runs this dtype's activations here (bf16: AVX512-BF16; fp32: AVX-512F), on whole tiles of output
         rows and groups of 32 inputs, and scale and min are fp16 values (exactly GGUF's own)."""
         rows, cols = q.shape
-        kernel = {torch.bfloat16: "int4_linear_supported", torch.float32: "int4_linear_f32_supported"}.get(dtype)
-        return (ext is not None and kernel is not None and getattr(ext, kernel)()
-                and rows % cls.tile(dtype) == 0 and cols % cls.GROUP == 0
+        return (cls.kernel_available(dtype, ext) and rows % cls.tile(dtype) == 0 and cols % cls.GROUP == 0
                 and all(torch.equal(a.half().float(), a) for a in (scale, min_)))
+
+    @staticmethod
+    def kernel_available(dtype: torch.dtype, ext: ModuleType | None) -> bool:
+        """This build has a kernel for this dtype's activations."""
+        kernel = {torch.bfloat16: "int4_linear_supported", torch.float32: "int4_linear_f32_supported"}.get(dtype)
+        return ext is not None and kernel is not None and getattr(ext, kernel)()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.ext.int4_linear_f32 if self.dtype == torch.float32 else self.ext.int4_linear
@@ -208,14 +215,15 @@ Route = tuple[tuple[int, str], ...]  # (largest row count, path) pairs by rows; 
 BIGGEST = 1 << 62  # the last leg of a route
 
 
-def static_route(paths: frozenset[str]) -> Route:
-    """The cut-offs tuned by hand on the AMD EPYC kind (the module's constants), for a weight whose measured route
-    (model/dispatch.py) is not set: the 4-bit form for small batches, then int8, else bf16_gemm (not on AMX CPUs, whose
-    tiles oneDNN's matmul uses), then oneDNN."""
+def static_route(paths: frozenset[str], fp32: bool = False) -> Route:
+    """The cut-offs tuned by hand (the module's constants; fp32: a weight of an fp32 model), for a weight whose
+    measured route (model/dispatch.py) is not set: the 4-bit form for small batches, then int8, else bf16_gemm (not on
+    AMX CPUs, whose tiles oneDNN's matmul uses), then oneDNN."""
     bf16 = "bf16_gemm" in paths and not kernels.cpu_has_amx()
     route: list[tuple[int, str]] = []
     if "int4" in paths:
-        route.append((INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM, "int4"))
+        limit = INT4_F32_MAX_ROWS if fp32 else INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM
+        route.append((limit, "int4"))
     if paths & {"int8", "int8_mm"}:
         return (*route, (BIGGEST, "int8" if "int8" in paths else "int8_mm"))
     if bf16:
@@ -248,7 +256,7 @@ class PackedWeight:
         self.int4 = int4
         self.int8 = int8
         self.bf16 = bf16
-        self.route = static_route(self.paths())
+        self.route = self.static_route()
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -256,6 +264,9 @@ class PackedWeight:
         if not torch.backends.mkldnn.is_available():
             return False
         return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def static_route(self) -> Route:
+        return static_route(self.paths(), fp32=self.int4 is not None and self.int4.dtype == torch.float32)
 
     def paths(self) -> frozenset[str]:
         """The forms this weight can run as (dispatch's path names)."""

@@ -49,17 +49,14 @@ struct HalfGroup {
   }
 };
 
-// R rows (R <= kNarrowRows) x one half tile over all of K. With few rows, S sets of accumulators (by k) so that
-// enough FMA chains run at once to hide their latency.
+// R rows (R <= kNarrowRows) x one half tile over all of K. Every output is one chain of FMAs over k in order, as in
+// wide_rows: a row gives the same sums alone as in any batch.
 template <int R>
 void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h, const float* x,
                  int64_t K, int64_t G, float* out, int64_t N) {
-  constexpr int S = R <= 2 ? 4 / R : 1;
-  __m512 acc[R][2 * S];
+  __m512 acc[R][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < 2 * S; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const HalfGroup hg(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf);
     const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
@@ -68,24 +65,19 @@ void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, 
     for (int k = 0; k < kGroup; ++k) {
       __m512 w0, w1;
       hg.weights(p + 16 * k, w0, w1);
-      const int s = 2 * (k % S);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 xb = _mm512_set1_ps(xg[r * K + k]);
-        acc[r][s] = _mm512_fmadd_ps(xb, w0, acc[r][s]);
-        acc[r][s + 1] = _mm512_fmadd_ps(xb, w1, acc[r][s + 1]);
+        acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int c = 0; c < 2; ++c) {
-      __m512 sum = acc[r][c];
-#pragma GCC unroll 4
-      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[r][2 * s + c]);
-      _mm512_storeu_ps(out + r * N + h * kHalf + 16 * c, sum);
-    }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N + h * kHalf, acc[r][0]);
+    _mm512_storeu_ps(out + r * N + h * kHalf + 16, acc[r][1]);
+  }
 }
 
 // A tile's group as fp32 [32 k][64 columns] in `w`.
