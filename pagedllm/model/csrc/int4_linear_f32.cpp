@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -80,31 +81,33 @@ void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, 
   }
 }
 
-// A tile's group as fp32 [32 k][64 columns] in `w`.
-void dequantize_group(const uint8_t* packed, const at::Half* sc, const at::Half* mn, float* w) {
-  for (int h = 0; h < 2; ++h) {
-    const HalfGroup hg(sc + h * kHalf, mn + h * kHalf);
-    const uint8_t* p = packed + h * kHalfBytes;
+// A tile's weights as fp32 [K][64 columns] in `w` (the panel stays in L2 while every block of rows reads it).
+void dequantize_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t G, float* w) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const HalfGroup hg(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf);
+      const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
+      float* wg = w + g * kGroup * kTile + h * kHalf;
 #pragma GCC unroll 4
-    for (int k = 0; k < kGroup; ++k) {
-      __m512 w0, w1;
-      hg.weights(p + 16 * k, w0, w1);
-      _mm512_store_ps(w + k * kTile + h * kHalf, w0);
-      _mm512_store_ps(w + k * kTile + h * kHalf + 16, w1);
+      for (int k = 0; k < kGroup; ++k) {
+        __m512 w0, w1;
+        hg.weights(p + 16 * k, w0, w1);
+        _mm512_store_ps(wg + k * kTile, w0);
+        _mm512_store_ps(wg + k * kTile + 16, w1);
+      }
     }
-  }
 }
 
-// R rows (R <= kBlockRows) x one tile's group: out[r, 0:64] (+)= x[r, group] @ w.
+// R rows (R <= kBlockRows) x one tile: out[r, 0:64] = x[r] @ w, accumulators in registers over all of K.
 template <int R>
-void wide_rows(const float* w, const float* x, int64_t K, float* out, int64_t N, bool first) {
+void wide_rows(const float* w, const float* x, int64_t K, float* out, int64_t N) {
   __m512 acc[R][4];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * N + 16 * c);
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-  for (int k = 0; k < kGroup; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     __m512 wk[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) wk[c] = _mm512_load_ps(w + k * kTile + 16 * c);
@@ -121,7 +124,7 @@ void wide_rows(const float* w, const float* x, int64_t K, float* out, int64_t N,
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * N + 16 * c, acc[r][c]);
 }
 
-using WideRows = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
+using WideRows = void (*)(const float*, const float*, int64_t, float*, int64_t);
 constexpr WideRows kWideRows[kBlockRows + 1] = {nullptr, wide_rows<1>, wide_rows<2>, wide_rows<3>, wide_rows<4>,
                                                 wide_rows<5>, wide_rows<6>};
 using NarrowHalf = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, const float*, int64_t,
@@ -130,15 +133,12 @@ constexpr NarrowHalf kNarrowHalf[kNarrowRows + 1] = {nullptr, narrow_half<1>, na
                                                      narrow_half<4>, narrow_half<5>, narrow_half<6>, narrow_half<7>,
                                                      narrow_half<8>};
 
-// Rows [r0, r1) of x against tile t (64 columns), group by group through the scratch.
+// Rows [r0, r1) of x against tile t (64 columns), through its dequantized panel `w`.
 void wide_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, const float* x, int64_t K, int64_t G,
-               int64_t r0, int64_t r1, float* out, int64_t N) {
-  alignas(64) float w[kGroup * kTile];
-  for (int64_t g = 0; g < G; ++g) {
-    dequantize_group(packed + g * 2 * kHalfBytes, sc + g * kTile, mn + g * kTile, w);
-    for (int64_t r = r0; r < r1; r += kBlockRows)
-      kWideRows[std::min(kBlockRows, r1 - r)](w, x + r * K + g * kGroup, K, out + r * N, N, g == 0);
-  }
+               int64_t r0, int64_t r1, float* out, int64_t N, float* w) {
+  dequantize_tile(packed, sc, mn, G, w);
+  for (int64_t r = r0; r < r1; r += kBlockRows)
+    kWideRows[std::min(kBlockRows, r1 - r)](w, x + r * K, K, out + r * N, N);
 }
 #else
 constexpr bool kSupported = false;
@@ -186,10 +186,12 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t chunks = (T % threads != 0 && M >= 32) ? threads : 1;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
   at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> panel(K * kTile + 16);
+    float* w = panel.data() + (16 - reinterpret_cast<uintptr_t>(panel.data()) / 4 % 16) % 16;  // 64-byte aligned
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, r0 = (i % chunks) * chunk_rows, r1 = std::min(M, r0 + chunk_rows);
       if (r0 < r1) wide_tile(pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, xp, K, G, r0, r1,
-                             op + t * kTile, N);
+                             op + t * kTile, N, w);
     }
   });
 #endif
