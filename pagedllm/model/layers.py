@@ -20,8 +20,8 @@ INT4_MAX_ROWS = 8
 # oneDNN's matmul the int4 kernel held its own up to 32 rows (docs/scripts/int4_rows.py).
 INT4_MAX_ROWS_WITHOUT_BF16_GEMM = 32
 # ... and up to this many in an fp32 model (csrc/int4_linear_f32.cpp against oneDNN's fp32 matmul on the Intel Xeon
-# kind without AVX512-BF16, docs/performance.md): a third of the bytes, and as many FMAs as oneDNN's up to here.
-INT4_F32_MAX_ROWS = 128
+# kind without AVX512-BF16, docs/performance.md): a sixth of the bytes, and 1.1-1.4x its speed from 32 to 1024 rows.
+INT4_F32_MAX_ROWS = 1024
 # Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
 # instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); from ~384 rows the two are
 # within 3%, and oneDNN keeps the big (prefill) steps it has always run.
