@@ -94,8 +94,9 @@ class ModelRunner:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
                               str(dispatch.primitive_cache_capacity(ONEDNN_PRIMITIVE_CACHE_CAPACITY)))
         dtype = getattr(torch, config.torch_dtype_name)
-        keep_4bit = (config.quantization != "none" and config.attention_backend != "reference"
-                     and Int4Weight.kernel_available(dtype, kernels.load()))
+        # bf16: the file's 4-bit weights (and with them the int8 lm_head below) as before; fp32: only for its kernel
+        keep_4bit = config.quantization != "none" and config.attention_backend != "reference" and (
+            dtype == torch.bfloat16 or Int4Weight.kernel_available(dtype, kernels.load()))
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit)
         int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
             (loaded.q4_weights and dtype == torch.bfloat16) or dispatch.auto_fp32(config.dtype, dtype))) else ()
