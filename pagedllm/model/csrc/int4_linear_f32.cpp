@@ -186,7 +186,9 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t chunks = (T % threads != 0 && M >= 32) ? threads : 1;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
   at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> panel(K * kTile + 16);
+    // kept per thread: a fresh 147-393 KB buffer per call could come from mmap, and fault its pages in every time
+    thread_local std::vector<float> panel;
+    if (panel.size() < static_cast<size_t>(K * kTile + 16)) panel.resize(K * kTile + 16);
     float* w = panel.data() + (16 - reinterpret_cast<uintptr_t>(panel.data()) / 4 % 16) % 16;  // 64-byte aligned
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, r0 = (i % chunks) * chunk_rows, r1 = std::min(M, r0 + chunk_rows);
