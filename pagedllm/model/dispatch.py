@@ -39,6 +39,9 @@ BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+# Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold
+# (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp).
+KERNELS_VERSION = "2"
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
 
 # One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
@@ -120,12 +123,14 @@ def cpu_identity() -> tuple[str, str]:
 
 
 def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str) -> dict[str, str]:
-    """What a table holds for: CPU model, ISA flags, threads, torch, the model and each kind's shape and forms."""
+    """What a table holds for: CPU model, ISA flags, threads, torch, the kernels' version, the model and each kind's
+    shape and forms."""
     cpu, flags = cpu_identity()
     shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
               for kind, ws in weights.items()}
     return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
-            "torch": torch.__version__, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__, "kernels": KERNELS_VERSION, "model": model_name,
+            "dtype": str(dtype).removeprefix("torch."),
             "shapes": json.dumps(shapes, sort_keys=True), "buckets": repr(BUCKETS)}
 
 

@@ -19,6 +19,9 @@ INT4_MAX_ROWS = 8
 # ... and up to this many where the weight has no bf16_gemm form (no AVX512-BF16 kernel, or an AMX CPU): against
 # oneDNN's matmul the int4 kernel held its own up to 32 rows (docs/scripts/int4_rows.py).
 INT4_MAX_ROWS_WITHOUT_BF16_GEMM = 32
+# ... and up to this many in an fp32 model (csrc/int4_linear_f32.cpp against oneDNN's fp32 matmul on the Intel Xeon
+# kind without AVX512-BF16, docs/performance.md): a sixth of the bytes, and 1.1-1.4x its speed from 32 to 1024 rows.
+INT4_F32_MAX_ROWS = 1024
 # Up to this many rows (and past INT4_MAX_ROWS when there is a 4-bit form), a bf16 layer runs the C++ bf16_gemm
 # instead of oneDNN's packed matmul (docs/performance.md: docs/scripts/int4_kernels.py); from ~384 rows the two are
 # within 3%, and oneDNN keeps the big (prefill) steps it has always run.
@@ -29,36 +32,66 @@ INT8_COLUMN_BLOCK = 4096
 
 
 class Int4Weight:
-    """A GGUF Q4_0 / Q4_1 weight packed once for the C++ int4 kernel (csrc/int4_linear.cpp), which computes with
-    the file's weights exactly: w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values
-    they were."""
+    """A GGUF Q4_0 / Q4_1 weight packed once for a C++ int4 kernel, which computes with the file's weights exactly:
+    w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
+    csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
+    the loader's fp32 ones; each has its own layout."""
 
     GROUP = 32
-    TILE = 16  # output rows per tile
+    TILE = 16  # output rows per tile (bf16 kernel)
+    F32_TILE = 64  # ... and the fp32 one's
     BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType) -> None:
-        rows, cols = q.shape
-        tiles, groups = rows // self.TILE, cols // self.GROUP
-        # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
-        pairs = q.view(tiles, self.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
-        self.packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
-        self.scales, self.mins = (a.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().half()
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self.packed = self.pack_f32(q) if dtype == torch.float32 else self.pack_bf16(q)
+        tiles, tile, groups = self.packed.shape[0], self.tile(dtype), q.shape[1] // self.GROUP
+        self.scales, self.mins = (a.view(tiles, tile, groups).transpose(1, 2).contiguous().half()
                                   for a in (scale, min_))
         self.ext = ext
 
-    @staticmethod
-    def available(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
-                  ext: ModuleType | None) -> bool:
-        """The kernel runs bf16 activations on AVX512-BF16, tiles of 16 rows and groups of 32 inputs, and keeps
-        scale and min in fp16 (exactly GGUF's own)."""
+    @classmethod
+    def tile(cls, dtype: torch.dtype) -> int:
+        return cls.F32_TILE if dtype == torch.float32 else cls.TILE
+
+    @classmethod
+    def pack_bf16(cls, q: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N/16, K/32, 8, 32] (int4_linear.cpp's layout)."""
         rows, cols = q.shape
-        return (ext is not None and ext.int4_linear_supported() and dtype == torch.bfloat16
-                and rows % Int4Weight.TILE == 0 and cols % Int4Weight.GROUP == 0
+        tiles, groups = rows // cls.TILE, cols // cls.GROUP
+        # [tile, row i, group, k-pair p, j] -> [tile, group, p, i, j]; k-pairs 2pp and 2pp + 1 share bytes (low, high)
+        pairs = q.view(tiles, cls.TILE, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 2, 32)
+        return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
+
+    @classmethod
+    def pack_f32(cls, q: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N/64, K/32, 2, 32, 16] (int4_linear_f32.cpp's layout): byte b of [t, g, h, k] holds columns
+        64t + 32h + b (low nibble) and + 16 (high) at input 32g + k."""
+        rows, cols = q.shape
+        tiles, groups = rows // cls.F32_TILE, cols // cls.GROUP
+        # [tile, half h, nibble n, b, group, k] -> [tile, group, h, k, b, n]
+        split = q.view(tiles, 2, 2, 16, groups, cls.GROUP).permute(0, 4, 1, 5, 3, 2)
+        return (split[..., 0] | (split[..., 1] << 4)).contiguous()
+
+    @classmethod
+    def available(cls, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
+                  ext: ModuleType | None) -> bool:
+        """A kernel runs this dtype's activations here (bf16: AVX512-BF16; fp32: AVX-512F), on whole tiles of output
+        rows and groups of 32 inputs, and scale and min are fp16 values (exactly GGUF's own)."""
+        rows, cols = q.shape
+        return (cls.kernel_available(dtype, ext) and rows % cls.tile(dtype) == 0 and cols % cls.GROUP == 0
                 and all(torch.equal(a.half().float(), a) for a in (scale, min_)))
 
+    @staticmethod
+    def kernel_available(dtype: torch.dtype, ext: ModuleType | None) -> bool:
+        """This build has a kernel for this dtype's activations."""
+        kernel = {torch.bfloat16: "int4_linear_supported", torch.float32: "int4_linear_f32_supported"}.get(dtype)
+        return ext is not None and kernel is not None and getattr(ext, kernel)()
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ext.int4_linear(x.contiguous(), self.packed, self.scales, self.mins)
+        kernel = self.ext.int4_linear_f32 if self.dtype == torch.float32 else self.ext.int4_linear
+        return kernel(x.contiguous(), self.packed, self.scales, self.mins)
 
 
 class Int8Weight:
@@ -182,14 +215,15 @@ Route = tuple[tuple[int, str], ...]  # (largest row count, path) pairs by rows; 
 BIGGEST = 1 << 62  # the last leg of a route
 
 
-def static_route(paths: frozenset[str]) -> Route:
-    """The cut-offs tuned by hand on the AMD EPYC kind (the module's constants), for a weight whose measured route
-    (model/dispatch.py) is not set: the 4-bit form for small batches, then int8, else bf16_gemm (not on AMX CPUs, whose
-    tiles oneDNN's matmul uses), then oneDNN."""
+def static_route(paths: frozenset[str], fp32: bool = False) -> Route:
+    """The cut-offs tuned by hand (the module's constants; fp32: a weight of an fp32 model), for a weight whose
+    measured route (model/dispatch.py) is not set: the 4-bit form for small batches, then int8, else bf16_gemm (not on
+    AMX CPUs, whose tiles oneDNN's matmul uses), then oneDNN."""
     bf16 = "bf16_gemm" in paths and not kernels.cpu_has_amx()
     route: list[tuple[int, str]] = []
     if "int4" in paths:
-        route.append((INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM, "int4"))
+        limit = INT4_F32_MAX_ROWS if fp32 else INT4_MAX_ROWS if bf16 else INT4_MAX_ROWS_WITHOUT_BF16_GEMM
+        route.append((limit, "int4"))
     if paths & {"int8", "int8_mm"}:
         return (*route, (BIGGEST, "int8" if "int8" in paths else "int8_mm"))
     if bf16:
@@ -222,7 +256,7 @@ class PackedWeight:
         self.int4 = int4
         self.int8 = int8
         self.bf16 = bf16
-        self.route = static_route(self.paths())
+        self.route = self.static_route()
 
     @staticmethod
     def available(dtype: torch.dtype) -> bool:
@@ -230,6 +264,9 @@ class PackedWeight:
         if not torch.backends.mkldnn.is_available():
             return False
         return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def static_route(self) -> Route:
+        return static_route(self.paths(), fp32=self.int4 is not None and self.int4.dtype == torch.float32)
 
     def paths(self) -> frozenset[str]:
         """The forms this weight can run as (dispatch's path names)."""

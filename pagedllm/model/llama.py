@@ -126,7 +126,7 @@ class LlamaModel:
             return self._packed(plain, kind)
         q, scale, min_ = (torch.cat([getattr(q4[n], f) for n in names]) for f in ("q", "scale", "min"))
         available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
-        return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext) if available else None)
+        return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext, self.dtype) if available else None)
 
     def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0

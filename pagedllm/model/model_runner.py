@@ -14,9 +14,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
-from pagedllm.model import dispatch
+from pagedllm.model import dispatch, kernels
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
-from pagedllm.model.layers import INT4_MAX_ROWS
+from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
 from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import ModelConfig, load_model
 from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_adapter
@@ -94,10 +94,12 @@ class ModelRunner:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
                               str(dispatch.primitive_cache_capacity(ONEDNN_PRIMITIVE_CACHE_CAPACITY)))
         dtype = getattr(torch, config.torch_dtype_name)
-        keep_4bit = config.quantization != "none" and config.attention_backend != "reference"
-        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit and dtype == torch.bfloat16)
+        # bf16: the file's 4-bit weights (and with them the int8 lm_head below) as before; fp32: only for its kernel
+        keep_4bit = config.quantization != "none" and config.attention_backend != "reference" and (
+            dtype == torch.bfloat16 or Int4Weight.kernel_available(dtype, kernels.load()))
+        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit)
         int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
-            loaded.q4_weights or dispatch.auto_fp32(config.dtype, dtype))) else ()
+            (loaded.q4_weights and dtype == torch.bfloat16) or dispatch.auto_fp32(config.dtype, dtype))) else ()
         kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
             loaded.config, config.block_size, kv_dtype)

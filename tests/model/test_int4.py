@@ -1,5 +1,6 @@
-"""The 4-bit path: a GGUF file's Q4 weights run as stored for batches of a few rows (bf16 only), and stay as close to
-transformers on the dequantized weights as a bf16 run does."""
+"""The 4-bit path: a GGUF file's Q4 weights run as stored. In bf16 (for batches of a few rows) it stays as close to
+transformers on the dequantized weights as a bf16 run does; in fp32 its weights are bit for bit the loader's, so the
+tokens are fp32's own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_backend import load_hf_model
 from pagedllm.model import kernels
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight, PackedWeight
+from pagedllm.model.loader.gguf import load_gguf
 
 STEPS = 6
 
@@ -42,12 +44,15 @@ def q4_gguf(tiny_model_dir, tmp_path_factory) -> str:
 @pytest.mark.parametrize(("kwargs", "expected"), [
     (dict(dtype="bfloat16"), 2 * 4),  # qkv, o, gate_up, down in each of 2 layers
     (dict(dtype="bfloat16", quantization="none"), 0),
-    (dict(dtype="float32"), 0),
+    (dict(dtype="float32"), 2 * 4),  # the fp32 kernel
     (dict(dtype="bfloat16", attention_backend="reference"), 0),
 ])
 def test_which_engines_take_the_4bit_weights(q4_gguf, tiny_model_dir, kwargs, expected):
-    if not int4_kernel_runs() and expected:
-        pytest.skip("no 4-bit kernel on this CPU (it needs AVX512-BF16)")
+    dtype = getattr(torch, kwargs["dtype"])
+    if expected and not Int4Weight.kernel_available(dtype, kernels.load()):
+        pytest.skip(f"no 4-bit kernel for {dtype} on this CPU")
+    if expected and dtype == torch.bfloat16 and not int4_kernel_runs():
+        pytest.skip("no native bf16 matmul on this CPU")
     assert LLM(model=q4_gguf, kv_cache_memory="16MiB", **kwargs).engine.runner.model.num_int4_matmuls == expected
     safetensors = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="bfloat16")
     assert safetensors.engine.runner.model.num_int4_matmuls == 0
@@ -83,3 +88,95 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
     assert ours_err <= 1.5 * hf_err + 0.05, (ours_err, hf_err)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def f32_kernel():
+    ext = kernels.load()
+    if not Int4Weight.kernel_available(torch.float32, ext):
+        pytest.skip("no fp32 4-bit kernel on this CPU (it needs AVX-512F)")
+    return ext
+
+
+def random_q4(rows: int, cols: int, q4_0: bool, seed: int) -> tuple[torch.Tensor, ...]:
+    """4-bit values with fp16 scales (negative ones too, as Q4_0's quantizer makes) and mins (-8 scale for Q4_0)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = ((torch.rand(rows, cols // 32, generator=g) - 0.3) * 0.02).half().float()
+    min_ = -8 * scale if q4_0 else (-torch.rand(rows, cols // 32, generator=g) * 0.16).half().float()
+    return q, scale, min_
+
+
+@pytest.mark.parametrize("q4_0", [True, False])
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 576), (128, 160)])
+def test_fp32_int4_kernel_equals_float64(q4_0, n, k):
+    """Every row count through both schedules (register rows up to 8, blocks of 6 beyond, rows split between threads
+    from 32): within fp32 summation error of float64 on the same weights, and each row alone as in the batch."""
+    ext = f32_kernel()
+    q, scale, min_ = random_q4(n, k, q4_0, n + k)
+    w = (q.double().view(n, k // 32, 32) * scale.double()[..., None] + min_.double()[..., None]).view(n, k)
+    weight = Int4Weight(q, scale, min_, ext, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 17, 31, 32, 33, 63, 97, 131, 255, 299):
+        x = torch.randn(rows, k, generator=g)
+        out = weight.mm(x)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        ref = x.double() @ w.T
+        bound = 4 * k * 2 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30  # fp32 sums of k products, loosely
+        assert ((out.double() - ref).abs() <= bound).all(), rows
+        for r in (0, rows - 1):
+            assert torch.equal(weight.mm(x[r:r + 1].clone()), out[r:r + 1])
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1"])
+def test_fp32_int4_weights_are_the_loaders_bit_for_bit(tiny_model_dir, tmp_path, quant):
+    """The kernel's weights, read back through identity rows (each output then is one product 1 * w, exact), equal
+    the fp32 weights the GGUF loader dequantizes (gguf.quants: (d * q) + m in fp32), through both schedules."""
+    ext = f32_kernel()
+    path = write_gguf(tiny_model_dir, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant)
+    loaded = load_gguf(path, torch.float32, keep_4bit=True)
+    assert len(loaded.q4_weights) == 2 * 7
+    for i in range(2):  # as the model stacks them (k and v alone are not whole tiles of 64 rows)
+        for group in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                      ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]):
+            names = [f"model.layers.{i}.{n}.weight" for n in group]
+            plain = torch.cat([loaded.weights[n] for n in names])
+            q4 = [loaded.q4_weights[n] for n in names]
+            weight = Int4Weight(*(torch.cat([getattr(w, f) for w in q4]) for f in ("q", "scale", "min")), ext,
+                                torch.float32)
+            eye = torch.eye(plain.shape[1])
+            assert torch.equal(weight.mm(eye), plain.T), names
+            assert torch.equal(torch.cat([weight.mm(rows.contiguous()) for rows in eye.split(5)]), plain.T), names
+
+
+def test_fp32_model_on_the_int4_kernel_gives_fp32_tokens(q4_gguf, monkeypatch):
+    """An fp32 model with every layer matmul forced onto the fp32 4-bit kernel generates the same greedy tokens as
+    forced onto oneDNN's fp32 matmul, and as transformers' fp32 run of the dequantized weights, for batches of one
+    prompt and of several (prefill of many rows)."""
+    f32_kernel()
+    calls = {"int4": 0}
+    mm = Int4Weight.mm
+
+    def counting_mm(self, x):
+        calls["int4"] += x.dtype == torch.float32
+        return mm(self, x)
+
+    monkeypatch.setattr(Int4Weight, "mm", counting_mm)
+    prompts = [[1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    tokens = {}
+    for path in ("int4", "onednn"):
+        monkeypatch.setenv("PAGEDLLM_KERNEL", path)
+        llm = LLM(model=q4_gguf, dtype="float32", kv_cache_memory="16MiB")
+        tokens[path] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        if path == "int4":
+            assert calls["int4"] >= STEPS * 2 * 4  # every step, every layer matmul
+            calls_int4 = calls["int4"]
+    assert calls["int4"] == calls_int4  # none on the oneDNN run
+    assert tokens["int4"] == tokens["onednn"]
+    hf, _, _ = load_hf_model(q4_gguf, torch.float32)
+    for prompt, ours in zip(prompts, tokens["int4"], strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(STEPS):  # greedy, eos or not (ignore_eos)
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert ours == ids[len(prompt):]

@@ -323,18 +323,21 @@ def test_linear_takes_int4_then_the_bf16_kernel_then_onednn(ext) -> None:
         torch.testing.assert_close(linear(x, weight, bias).float(), x.float() @ w.float().T + bias.float(), **tol)
 
 
-@pytest.mark.parametrize(("shape", "dtype", "fp16", "ok"), [
-    ((64, 128), torch.bfloat16, True, True),
-    ((64, 128), torch.float32, True, False),  # the kernel takes bf16 rows
-    ((40, 128), torch.bfloat16, True, False),  # tiles of 16 rows
-    ((64, 48), torch.bfloat16, True, False),  # groups of 32 inputs
-    ((64, 128), torch.bfloat16, False, False),  # a scale that fp16 cannot hold exactly
+@pytest.mark.parametrize(("shape", "dtype", "fp16", "kernel"), [
+    ((64, 128), torch.bfloat16, True, "int4_linear_supported"),
+    ((64, 128), torch.float32, True, "int4_linear_f32_supported"),  # fp32 rows: the fp32 kernel
+    ((64, 128), torch.float16, True, None),  # no kernel takes fp16 rows
+    ((40, 128), torch.bfloat16, True, None),  # tiles of 16 rows
+    ((48, 128), torch.float32, True, None),  # the fp32 kernel's tiles of 64
+    ((64, 48), torch.bfloat16, True, None),  # groups of 32 inputs
+    ((64, 128), torch.bfloat16, False, None),  # a scale that fp16 cannot hold exactly
 ])
-def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: bool, ok: bool) -> None:
+def test_int4_available(ext, shape: tuple[int, int], dtype: torch.dtype, fp16: bool, kernel: str | None) -> None:
     q = torch.zeros(shape, dtype=torch.uint8)
     scale = torch.full((shape[0], max(1, shape[1] // 32)), 0.01 if fp16 else 1 / 3)
     scale = scale.half().float() if fp16 else scale
-    assert Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, ext) is (ok and ext.int4_linear_supported())
+    ok = kernel is not None and getattr(ext, kernel)()
+    assert Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, ext) is ok
     assert not Int4Weight.available(q, scale, torch.zeros_like(scale), dtype, None)
 
 

@@ -15,7 +15,7 @@ from test_int4 import logprob_error, teacher_forced_logprobs
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.hf_backend import load_hf_model
 from pagedllm.model import kernels
-from pagedllm.model.layers import PackedWeight
+from pagedllm.model.layers import Int4Weight, PackedWeight
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,15 @@ def hf_smollm2():
     return model, tokenizer
 
 
-def test_greedy_fp32_matches_transformers_token_for_token(hf_smollm2):
+@pytest.mark.parametrize("kernel", ["measured", "int4"])
+def test_greedy_fp32_matches_transformers_token_for_token(hf_smollm2, monkeypatch, kernel):
+    """Also with every layer matmul on the fp32 4-bit kernel (its weights are the dequantized ones bit for bit)."""
     model, tok = hf_smollm2
+    if kernel == "int4" and not Int4Weight.kernel_available(torch.float32, kernels.load()):
+        pytest.skip("no fp32 4-bit kernel on this CPU")
+    monkeypatch.setenv("PAGEDLLM_KERNEL", kernel)
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=48)  # chunked prefill too
+    assert kernel != "int4" or llm.engine.runner.model.num_int4_matmuls == 4 * 30
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

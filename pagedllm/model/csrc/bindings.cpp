@@ -16,6 +16,9 @@ std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins);
 bool int4_linear_supported();
+at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& mins);
+bool int4_linear_f32_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                       const c10::optional<at::Tensor>& bias, at::Tensor& out);
@@ -40,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_k_logsumexp", &top_k_logsumexp, "Each row's k largest logits (values, ids) and its logsumexp", nogil);
   m.def("int4_linear", &int4_linear, "x @ W.T for 4-bit GGUF weights (w = q * d + m per 32 inputs)", nogil);
   m.def("int4_linear_supported", &int4_linear_supported, "Whether this build has int4_linear's instructions");
+  m.def("int4_linear_f32", &int4_linear_f32, "x @ W.T in fp32 for 4-bit GGUF weights (w = fma(q, d, m) per 32 "
+        "inputs, bit for bit the loader's fp32 weights)", nogil);
+  m.def("int4_linear_f32_supported", &int4_linear_f32_supported, "Whether this build has int4_linear_f32's "
+        "instructions");
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 with its own scale (absmax / 127)", nogil);
   m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
   m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) for an int8 "

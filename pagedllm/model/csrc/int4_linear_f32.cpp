@@ -1,0 +1,201 @@
+// x @ W.T in fp32 for GGUF's 4-bit weights (Q4_0, Q4_1): w = q * d + m, q in 0..15, one fp16 d and m per 32 inputs.
+// For CPUs without AVX512-BF16 (int4_linear.cpp's kernel), where an fp32 model's layers would otherwise run oneDNN's
+// fp32 matmul on the dequantized weights, reading 8x the bytes of the 4-bit form.
+//
+// Each weight is dequantized as fma(float(q), d, m) in fp32: d * q is exact in fp32 (11 + 4 significant bits), so
+// this is the one rounding of numpy's (d * q) + m, which the loader's gguf.quants.dequantize computes (for Q4_0,
+// d * (q - 8) is exact, m = -8 d): the weights are bit for bit the loader's fp32 ones (up to the sign of a zero,
+// which no fp32 sum starting from +0 can show). Products and sums are fp32, as in any fp32 matmul.
+//
+// Two schedules, both over output tiles of 64 columns, split between threads:
+//   - up to kNarrowRows rows (bound by reading the weights): half tiles of 32 columns, every row's accumulators in
+//     registers over all of K, each k's weights dequantized in registers and used for every row;
+//   - more rows (bound by FMAs): a tile's group of 32 inputs x 64 outputs is dequantized once into an L1 scratch,
+//     then blocks of 6 rows run 6 x 4 zmm accumulators (24 FMAs per k), kept in `out` across groups.
+//
+// Layout (Int4Weight packs it): output columns in tiles of 64, each two halves of 32; inputs in groups of 32:
+//   packed [N/64, K/32, 2, 32, 16] uint8: byte b of [t, g, h, k] = q[64t + 32h + b, 32g + k]
+//                                                                | q[64t + 32h + 16 + b, 32g + k] << 4
+//   scales, mins [N/64, K/32, 64] fp16: d and m of output column 64t + c in group g.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 64, kHalf = 32, kGroup = 32, kNarrowRows = 8, kBlockRows = 6;
+constexpr int64_t kHalfBytes = kGroup * 16;  // one half tile's nibbles for one group
+
+#if defined(__AVX512F__) && defined(__F16C__)
+constexpr bool kSupported = true;
+
+inline __m512 half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One k of a half tile: 32 weights (columns b and 16 + b of 16 bytes) as fma(q, d, m).
+struct HalfGroup {
+  __m512 d0, d1, m0, m1;
+  HalfGroup(const at::Half* sc, const at::Half* mn) : d0(half16(sc)), d1(half16(sc + 16)), m0(half16(mn)),
+                                                      m1(half16(mn + 16)) {}
+  inline void weights(const uint8_t* p, __m512& w0, __m512& w1) const {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))), d0, m0);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d1, m1);
+  }
+};
+
+// R rows (R <= kNarrowRows) x one half tile over all of K. Every output is one chain of FMAs over k in order, as in
+// wide_rows: a row gives the same sums alone as in any batch.
+template <int R>
+void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h, const float* x,
+                 int64_t K, int64_t G, float* out, int64_t N) {
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const HalfGroup hg(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf);
+    const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
+    const float* xg = x + g * kGroup;
+#pragma GCC unroll 8
+    for (int k = 0; k < kGroup; ++k) {
+      __m512 w0, w1;
+      hg.weights(p + 16 * k, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(xg[r * K + k]);
+        acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N + h * kHalf, acc[r][0]);
+    _mm512_storeu_ps(out + r * N + h * kHalf + 16, acc[r][1]);
+  }
+}
+
+// A tile's weights as fp32 [K][64 columns] in `w` (the panel stays in L2 while every block of rows reads it).
+void dequantize_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t G, float* w) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const HalfGroup hg(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf);
+      const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
+      float* wg = w + g * kGroup * kTile + h * kHalf;
+#pragma GCC unroll 4
+      for (int k = 0; k < kGroup; ++k) {
+        __m512 w0, w1;
+        hg.weights(p + 16 * k, w0, w1);
+        _mm512_store_ps(wg + k * kTile, w0);
+        _mm512_store_ps(wg + k * kTile + 16, w1);
+      }
+    }
+}
+
+// R rows (R <= kBlockRows) x one tile: out[r, 0:64] = x[r] @ w, accumulators in registers over all of K.
+template <int R>
+void wide_rows(const float* w, const float* x, int64_t K, float* out, int64_t N) {
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wk[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) wk[c] = _mm512_load_ps(w + k * kTile + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wk[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * N + 16 * c, acc[r][c]);
+}
+
+using WideRows = void (*)(const float*, const float*, int64_t, float*, int64_t);
+constexpr WideRows kWideRows[kBlockRows + 1] = {nullptr, wide_rows<1>, wide_rows<2>, wide_rows<3>, wide_rows<4>,
+                                                wide_rows<5>, wide_rows<6>};
+using NarrowHalf = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, const float*, int64_t,
+                            int64_t, float*, int64_t);
+constexpr NarrowHalf kNarrowHalf[kNarrowRows + 1] = {nullptr, narrow_half<1>, narrow_half<2>, narrow_half<3>,
+                                                     narrow_half<4>, narrow_half<5>, narrow_half<6>, narrow_half<7>,
+                                                     narrow_half<8>};
+
+// Rows [r0, r1) of x against tile t (64 columns), through its dequantized panel `w`.
+void wide_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, const float* x, int64_t K, int64_t G,
+               int64_t r0, int64_t r1, float* out, int64_t N, float* w) {
+  dequantize_tile(packed, sc, mn, G, w);
+  for (int64_t r = r0; r < r1; r += kBlockRows)
+    kWideRows[std::min(kBlockRows, r1 - r)](w, x + r * K, K, out + r * N, N);
+}
+#else
+constexpr bool kSupported = false;
+#endif
+
+}  // namespace
+
+bool int4_linear_f32_supported() { return kSupported; }
+
+at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& mins) {
+  TORCH_CHECK(kSupported, "int4_linear_f32 needs AVX-512F and F16C (this build has no such instructions)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be a contiguous float32 matrix");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(2) == 2 && packed.size(3) == kGroup && packed.size(4) == 16,
+              "packed must be contiguous uint8 [N/64, K/32, 2, 32, 16]");
+  const int64_t T = packed.size(0), G = packed.size(1), M = x.size(0), K = x.size(1), N = T * kTile;
+  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  for (const at::Tensor* s : {&scales, &mins})
+    TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == T &&
+                    s->size(1) == G && s->size(2) == kTile,
+                "scales and mins must be contiguous float16 [N/64, K/32, 64]");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512F__) && defined(__F16C__)
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  const at::Half* mn = mins.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  const int64_t tile_bytes = G * 2 * kHalfBytes;
+  if (M <= kNarrowRows) {  // half tiles: twice the pieces to share between threads
+    at::parallel_for(0, 2 * T, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / 2;
+        kNarrowHalf[M](pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, i % 2, xp, K, G, op + t * kTile, N);
+      }
+    });
+    return out;
+  }
+  // Tiles that do not share evenly between the threads (9 of them at 576 columns) are split by rows too, once
+  // there are enough rows that dequantizing a tile twice costs little.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = (T % threads != 0 && M >= 32) ? threads : 1;
+  const int64_t chunk_rows = (M + chunks - 1) / chunks;
+  at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
+    // kept per thread: a fresh 147-393 KB buffer per call could come from mmap, and fault its pages in every time
+    thread_local std::vector<float> panel;
+    if (panel.size() < static_cast<size_t>(K * kTile + 16)) panel.resize(K * kTile + 16);
+    float* w = panel.data() + (16 - reinterpret_cast<uintptr_t>(panel.data()) / 4 % 16) % 16;  // 64-byte aligned
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / chunks, r0 = (i % chunks) * chunk_rows, r1 = std::min(M, r0 + chunk_rows);
+      if (r0 < r1) wide_tile(pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, xp, K, G, r0, r1,
+                             op + t * kTile, N, w);
+    }
+  });
+#endif
+  return out;
+}
