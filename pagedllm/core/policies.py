@@ -18,6 +18,11 @@ from pagedllm.core.sequence import SequenceGroup
 # preempts: no ping-pong, and a low-priority request under a stream of high-priority ones loses its work at most
 # this often (unless nothing else is left to preempt)
 DISPLACEMENT_FLOOR = 2
+# Under fair, while a client within its share runs or was served within the last PACE_WINDOW_STEPS steps, a client
+# over its share starts one prompt a step and computes at most PACED_PROMPT_TOKENS of it: a light request arriving
+# meanwhile waits for at most such a step (docs/fairness.md, runs 10-11)
+PACED_PROMPT_TOKENS = 64
+PACE_WINDOW_STEPS = 256
 
 
 def priority_key(group: SequenceGroup) -> tuple[int, float, int]:
@@ -155,6 +160,8 @@ class FairScheduler(DisplacingScheduler):
         self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
         self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
+        self._steps = 0
+        self._last_served: dict[str | None, int] = {}  # the step each client was last served in
 
     def schedule(self) -> SchedulerOutput:
         self._admitted = []
@@ -183,7 +190,7 @@ class FairScheduler(DisplacingScheduler):
         if group.client in self._held or group.client in self._prompting:
             return 0
         self._prompting.add(group.client)
-        return budget
+        return min(budget, PACED_PROMPT_TOKENS)
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         super().preempt(group, out)
@@ -260,15 +267,23 @@ class FairScheduler(DisplacingScheduler):
         yield from (self.vtc.queues[c][0] for c in rest)
 
     def _clients_to_pace(self) -> set[str | None]:
-        """While a client whose demand fits its share runs, the clients whose demand exceeds theirs: each starts one
-        prompt per step at most, so that no step computes a batch of their prompts at once (a light request arriving
-        meanwhile would wait for all of it)."""
-        seats = self._seats()
-        if len(seats) < 2 and not self.vtc.queues.keys() - seats.keys():
+        """While a client whose demand fits its share runs, or was served recently, the clients whose demand exceeds
+        theirs: each starts one prompt per step at most, PACED_PROMPT_TOKENS of it, so that no step computes a batch
+        of their prompts at once (a light request arriving meanwhile would wait for all of it). A client alone for
+        PACE_WINDOW_STEPS steps is not paced."""
+        seats, recent = self._seats(), self._recently_served()
+        if len(seats.keys() | recent) < 2 and not self.vtc.queues.keys() - seats.keys():
             return set()
         share = self._shares(seats, next(iter(seats), None))
         over = {c for c in seats.keys() | self.vtc.queues.keys() if seats[c] + self.vtc.num_waiting(c) > share(c)}
-        return over if seats.keys() - over else set()
+        return over if (seats.keys() | recent) - over else set()
+
+    def _recently_served(self) -> set[str | None]:
+        """The clients served within the last PACE_WINDOW_STEPS steps (a light client thinking between requests)."""
+        since = self._steps - PACE_WINDOW_STEPS
+        if len(self._last_served) > 2 * max(self.max_num_seqs, 64):
+            self._last_served = {c: t for c, t in self._last_served.items() if t >= since}
+        return {c for c, t in self._last_served.items() if t >= since}
 
     def _displaceable(self, head: SequenceGroup) -> list[SequenceGroup]:
         """If the head's client holds fewer seats than its share (max_num_seqs x its weight / the weights of the
@@ -288,6 +303,8 @@ class FairScheduler(DisplacingScheduler):
 
     def commit(self, plan: SchedulerOutput) -> None:
         super().commit(plan)
+        self._steps += 1
         for s in plan.scheduled:
+            self._last_served[s.seq.params.client] = self._steps
             if s.samplers:
                 self.vtc.charge(s.seq.params.client, OUTPUT_WEIGHT * len(s.samplers) * (1 + len(s.draft)))

@@ -16,6 +16,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, max_service_gap
 from pagedllm.core.plan import SchedulerOutput
+from pagedllm.core import policies
 from pagedllm.core.policies import DISPLACEMENT_FLOOR, FairScheduler, PriorityScheduler, priority_key
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
@@ -286,6 +287,30 @@ def test_a_returning_light_client_served_more_still_prompts_without_the_heavy_cl
     while sim.sched.has_unfinished():
         sim.step()
     assert len(sim.finished) == 8
+
+
+def test_a_client_over_its_share_prompts_in_short_chunks_while_others_are_about(monkeypatch):
+    """fair: while a light client runs, or was served in the last PACE_WINDOW_STEPS steps, the heavy client starts one
+    prompt a step and computes at most PACED_PROMPT_TOKENS of it (a light request arriving meanwhile waits for a short
+    step); once it has been alone for the window, its prompts go in whole, several a step."""
+    monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
+    monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("light", 8, 2, client="light", arrival=0, first=200))
+    while sim.sched.has_unfinished():
+        sim.step()
+    for i in range(12):
+        sim.add(request(f"heavy{i}", 20, 30, client="heavy", arrival=10 + i, first=300 + 30 * i))
+    for _ in range(4):  # the light client was served 1-4 steps ago: chunks of 8, 8, 4 (the prompt's end), 8
+        sim.step()
+        assert 0 < prompt_tokens(plans[-1], "heavy") <= 8
+    while not plans[-1].preempted and prompt_tokens(plans[-1], "heavy") <= 8 and len(plans) < 40:
+        sim.step()
+    assert prompt_tokens(plans[-1], "heavy") > 20  # alone for the window: whole prompts, more than one a step
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert len(sim.finished) == 13
 
 
 def test_a_pick_that_does_not_get_in_leaves_no_step_empty():
