@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from test_scheduler import Sim
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core import policies
 from pagedllm.core.baselines import make_scheduler
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, max_service_gap
 from pagedllm.core.plan import SchedulerOutput
-from pagedllm.core import policies
 from pagedllm.core.policies import DISPLACEMENT_FLOOR, FairScheduler, PriorityScheduler, priority_key
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
@@ -266,17 +266,24 @@ def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
     assert sorted(sim.finished) == ["heavy0", "heavy1", "light"]
 
 
-def test_a_returning_light_client_served_more_still_prompts_without_the_heavy_clients_prompts():
-    """fair: a light client served before (its counter above the last one to leave the queue, which a new heavy
-    client is lifted to) returns in the same step as the heavy client's batch: the heavy client is the queue's pick,
-    but its prompts wait that step, so the light prompt runs with no heavy prompt beside it."""
-    sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
+def light_served_then_heavy_batch(num_blocks: int, heavy: int, prompt_len: int,
+                                  max_tokens: int) -> tuple[Sim, list[SchedulerOutput]]:
+    """fair, 4 seats: a light client's request served to its end, then a heavy client's batch queued."""
+    sim = policy_sim(FairScheduler, num_blocks=num_blocks, block_size=4, max_num_seqs=4, budget=64)
     plans = record_plans(sim)
     sim.add(request("light-a", 8, 4, client="light", arrival=0, first=200))
     while sim.sched.has_unfinished():
         sim.step()
-    for i in range(6):
-        sim.add(request(f"heavy{i}", 16, 4, client="heavy", arrival=10 + i, first=300 + 20 * i))
+    for i in range(heavy):
+        sim.add(request(f"heavy{i}", prompt_len, max_tokens, client="heavy", arrival=10 + i, first=300 + 30 * i))
+    return sim, plans
+
+
+def test_a_returning_light_client_served_more_still_prompts_without_the_heavy_clients_prompts():
+    """fair: a light client served before (its counter above the last one to leave the queue, which a new heavy
+    client is lifted to) returns in the same step as the heavy client's batch: the heavy client is the queue's pick,
+    but its prompts wait that step, so the light prompt runs with no heavy prompt beside it."""
+    sim, plans = light_served_then_heavy_batch(num_blocks=64, heavy=6, prompt_len=16, max_tokens=4)
     sim.add(request("light-b", 8, 2, client="light", arrival=20, first=250))
     vtc = sim.sched.vtc
     assert vtc.counter("light") > vtc.counter("heavy") and sim.sched.waiting[0].client == "heavy"
@@ -295,13 +302,7 @@ def test_a_client_over_its_share_prompts_in_short_chunks_while_others_are_about(
     step); once it has been alone for the window, its prompts go in whole, several a step."""
     monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
     monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
-    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
-    plans = record_plans(sim)
-    sim.add(request("light", 8, 2, client="light", arrival=0, first=200))
-    while sim.sched.has_unfinished():
-        sim.step()
-    for i in range(12):
-        sim.add(request(f"heavy{i}", 20, 30, client="heavy", arrival=10 + i, first=300 + 30 * i))
+    sim, plans = light_served_then_heavy_batch(num_blocks=256, heavy=12, prompt_len=20, max_tokens=30)
     for _ in range(4):  # the light client was served 1-4 steps ago: chunks of 8, 8, 4 (the prompt's end), 8
         sim.step()
         assert 0 < prompt_tokens(plans[-1], "heavy") <= 8
