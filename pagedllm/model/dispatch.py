@@ -39,6 +39,9 @@ BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+# A table is kept only if the measuring got at least this share of its threads' CPU: with another process on one of
+# two cores it got 0.63-0.67 (0.98-0.99 alone), and its winners were a neighbour's, not the kernels'
+MIN_CPU_SHARE = 0.8
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold
 # (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp).
 KERNELS_VERSION = "2"
@@ -57,6 +60,7 @@ class KernelTable:
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # spent measuring
     load: float = 0.0  # the 1-minute load average when measured
+    cpu_share: float = 1.0  # the CPU time the measuring got, per thread and second of wall time (cpu_share_since)
 
     def winners(self, kind: str) -> list[str]:
         """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
@@ -148,8 +152,15 @@ def machine_load() -> float:
         return 0.0
 
 
+def cpu_share_since(cpu_start: float, wall_start: float) -> float:
+    """The CPU time this process got since then, per thread and second of wall time: below 1 when other processes
+    held the cores (the load average lags a neighbour that just started by up to a minute)."""
+    wall = time.perf_counter() - wall_start
+    return (time.process_time() - cpu_start) / max(wall * torch.get_num_threads(), 1e-9)
+
+
 def cacheable(table: KernelTable) -> bool:
-    return table.load <= (os.cpu_count() or 1)
+    return table.load <= (os.cpu_count() or 1) and table.cpu_share >= MIN_CPU_SHARE
 
 
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
@@ -273,12 +284,15 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
     table = None if refresh else load(file, key)
     how = f"read from {file}"
     if table is None:
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
         with torch.inference_mode():
             table = measure(weights, dtype, timer)
         table.key, table.load = key, machine_load()
+        table.cpu_share = round(cpu_share_since(cpu_start, wall_start), 2)
         how = f"measured in {table.seconds:.1f} s, cached at {file}"
         if not cacheable(table):
-            how = f"measured in {table.seconds:.1f} s at load {table.load:.1f}, not cached: measured again next start"
+            how = (f"measured in {table.seconds:.1f} s at load {table.load:.1f} with {table.cpu_share:.0%} of its "
+                   "threads' CPU, not cached (others on the cores): measured again next start")
         else:
             save(file, table)
     apply(table, weights)

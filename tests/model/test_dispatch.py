@@ -21,6 +21,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     monkeypatch.delenv(dispatch.PAD_ENV, raising=False)
     monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(dispatch, "cpu_share_since", lambda cpu, wall: 1.0)
     yield
 
 
@@ -135,6 +136,14 @@ def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_pa
     dispatch.tune(weights(ext), torch.float32, "tiny",
                   timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
     assert not list((tmp_path / "cache").glob("kernels-*.json"))
+
+
+def test_a_table_measured_while_others_held_the_cores_is_not_kept(ext, monkeypatch, tmp_path, caplog):
+    """The load average lags a neighbour that just started; the CPU time the measuring got does not."""
+    monkeypatch.setattr(dispatch, "cpu_share_since", lambda cpu, wall: 0.6)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        dispatch.tune(weights(ext), torch.float32, "tiny", timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
+    assert not list((tmp_path / "cache").glob("kernels-*.json")) and "60% of its threads' CPU" in caplog.text
 
 
 def test_routing_drops_the_forms_no_route_takes_and_linear_follows_the_route(ext):
