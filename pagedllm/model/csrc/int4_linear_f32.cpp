@@ -10,8 +10,9 @@
 // Two schedules, both over output tiles of 64 columns, split between threads:
 //   - up to kNarrowRows rows (bound by reading the weights): half tiles of 32 columns, every row's accumulators in
 //     registers over all of K, each k's weights dequantized in registers and used for every row;
-//   - more rows (bound by FMAs): a tile's group of 32 inputs x 64 outputs is dequantized once into an L1 scratch,
-//     then blocks of 6 rows run 6 x 4 zmm accumulators (24 FMAs per k), kept in `out` across groups.
+//   - more rows (bound by FMAs): a tile's whole panel (K inputs x 64 outputs) is dequantized once per call into a
+//     per-thread buffer the L2 holds, then blocks of 6 rows run 6 x 4 zmm accumulators (24 FMAs per k) over all
+//     of K; tiles that do not share evenly between the threads are split by rows too.
 //
 // Layout (Int4Weight packs it): output columns in tiles of 64, each two halves of 32; inputs in groups of 32:
 //   packed [N/64, K/32, 2, 32, 16] uint8: byte b of [t, g, h, k] = q[64t + 32h + b, 32g + k]
