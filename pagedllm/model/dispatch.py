@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.model.layers import BIGGEST, PackedWeight, Route
+from pagedllm.model.threads import TAKEN_CORE, CpuSample, affinity, others_cpu, read_cpu_sample
 
 logger = logging.getLogger("pagedllm")
 
@@ -39,9 +40,6 @@ BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
-# A table is kept only if the measuring got at least this share of its threads' CPU: with another process on one of
-# two cores it got 0.63-0.67 (0.98-0.99 alone), and its winners were a neighbour's, not the kernels'
-MIN_CPU_SHARE = 0.8
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold
 # (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp).
 KERNELS_VERSION = "2"
@@ -60,7 +58,7 @@ class KernelTable:
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # spent measuring
     load: float = 0.0  # the 1-minute load average when measured
-    cpu_share: float = 1.0  # the CPU time the measuring got, per thread and second of wall time (cpu_share_since)
+    others_cpu: float = 0.0  # the CPUs' worth of time other processes used on ours while it was measured
 
     def winners(self, kind: str) -> list[str]:
         """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
@@ -152,15 +150,21 @@ def machine_load() -> float:
         return 0.0
 
 
-def cpu_share_since(cpu_start: float, wall_start: float) -> float:
-    """The CPU time this process got since then, per thread and second of wall time: below 1 when other processes
-    held the cores (the load average lags a neighbour that just started by up to a minute)."""
-    wall = time.perf_counter() - wall_start
-    return (time.process_time() - cpu_start) / max(wall * torch.get_num_threads(), 1e-9)
+def cpu_sample() -> CpuSample | None:
+    return read_cpu_sample(affinity())
+
+
+def others_since(start: CpuSample | None) -> float:
+    """The CPUs' worth of time other processes used on ours since `start` (the thread governor's count): the load
+    average lags a neighbour that just started by up to a minute, and a table measured beside one holds its timing,
+    not the kernels'."""
+    end = cpu_sample()
+    return 0.0 if start is None or end is None or end.wall <= start.wall else others_cpu(start, end)
 
 
 def cacheable(table: KernelTable) -> bool:
-    return table.load <= (os.cpu_count() or 1) and table.cpu_share >= MIN_CPU_SHARE
+    """Measured with no other process holding TAKEN_CORE of a core (the governor's threshold) or more."""
+    return table.load <= (os.cpu_count() or 1) and table.others_cpu < TAKEN_CORE
 
 
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
@@ -284,15 +288,14 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
     table = None if refresh else load(file, key)
     how = f"read from {file}"
     if table is None:
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        start = cpu_sample()
         with torch.inference_mode():
             table = measure(weights, dtype, timer)
-        table.key, table.load = key, machine_load()
-        table.cpu_share = round(cpu_share_since(cpu_start, wall_start), 2)
+        table.key, table.load, table.others_cpu = key, machine_load(), round(others_since(start), 2)
         how = f"measured in {table.seconds:.1f} s, cached at {file}"
         if not cacheable(table):
-            how = (f"measured in {table.seconds:.1f} s at load {table.load:.1f} with {table.cpu_share:.0%} of its "
-                   "threads' CPU, not cached (others on the cores): measured again next start")
+            how = (f"measured in {table.seconds:.1f} s at load {table.load:.1f} while other processes used "
+                   f"{table.others_cpu:.2f} CPUs, not cached: measured again next start")
         else:
             save(file, table)
     apply(table, weights)

@@ -55,6 +55,15 @@ def read_cpu_sample(cpus: frozenset[int] | None = None) -> CpuSample | None:
     return CpuSample(time.monotonic(), busy / ticks, t.user + t.system)
 
 
+def others_cpu(start: CpuSample, end: CpuSample) -> float:
+    """The CPUs' worth of time other processes used on ours between two samples (end after start)."""
+    return max(0.0, (end.busy - start.busy) - (end.ours - start.ours)) / (end.wall - start.wall)
+
+
+def affinity() -> frozenset[int] | None:
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 class ThreadGovernor:
     """Sets the model's thread count to the usable CPUs less the cores others hold, once a `period`; logs changes.
     Fixed (`--threads N`) engines have none."""
@@ -62,7 +71,7 @@ class ThreadGovernor:
     def __init__(self, budget: CpuBudget, set_threads: Callable[[int], None],
                  read: Callable[[], CpuSample | None] | None = None, period: float = PERIOD_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cpus = affinity()
         self.budget, self.set_threads, self.period, self.clock = budget, set_threads, period, clock
         self.read = read or (lambda: read_cpu_sample(cpus))
         self.threads = budget.usable
@@ -84,8 +93,7 @@ class ThreadGovernor:
         if sample is None or self.last is None or sample.wall <= self.last.wall:
             self.last = sample
             return
-        others_cpu = (sample.busy - self.last.busy) - (sample.ours - self.last.ours)
-        others = max(0.0, others_cpu) / (sample.wall - self.last.wall)
+        others = others_cpu(self.last, sample)
         self.last = sample
         self.apply(self.threads_for(others), others)
 

@@ -21,7 +21,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     monkeypatch.delenv(dispatch.PAD_ENV, raising=False)
     monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
-    monkeypatch.setattr(dispatch, "cpu_share_since", lambda cpu, wall: 1.0)
+    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.0)
     yield
 
 
@@ -139,11 +139,14 @@ def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_pa
 
 
 def test_a_table_measured_while_others_held_the_cores_is_not_kept(ext, monkeypatch, tmp_path, caplog):
-    """The load average lags a neighbour that just started; the CPU time the measuring got does not."""
-    monkeypatch.setattr(dispatch, "cpu_share_since", lambda cpu, wall: 0.6)
+    """The load average lags a neighbour that just started; the CPU time others used meanwhile does not."""
+    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.9)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         dispatch.tune(weights(ext), torch.float32, "tiny", timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
-    assert not list((tmp_path / "cache").glob("kernels-*.json")) and "60% of its threads' CPU" in caplog.text
+    assert not list((tmp_path / "cache").glob("kernels-*.json")) and "other processes used 0.90 CPUs" in caplog.text
+    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.1)  # below a quarter of a core: kept
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
+    assert len(list((tmp_path / "cache").glob("kernels-*.json"))) == 1
 
 
 def test_routing_drops_the_forms_no_route_takes_and_linear_follows_the_route(ext):
