@@ -19,8 +19,10 @@ import threading
 
 import httpx
 
+from pagedllm.bench.client import run_benchmark
 from pagedllm.bench.datasets import sample_requests
-from pagedllm.bench.serve import ServerProcess, fetch_model_card, run_benchmark, summarize
+from pagedllm.bench.server_process import ServerProcess, fetch_model_card
+from pagedllm.bench.summary import summarize
 from pagedllm.engine.replica_pool import LOCAL_RAY_ENV
 from pagedllm.model.loader import load_tokenizer
 

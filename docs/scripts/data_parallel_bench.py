@@ -15,15 +15,10 @@ import random
 import sys
 import tempfile
 
+from pagedllm.bench.client import http_client, run_benchmark, scrape_metrics
 from pagedllm.bench.datasets import BenchRequest, sample_requests
-from pagedllm.bench.serve import (
-    ServerProcess,
-    fetch_model_card,
-    http_client,
-    run_benchmark,
-    scrape_metrics,
-    summarize,
-)
+from pagedllm.bench.server_process import ServerProcess, fetch_model_card
+from pagedllm.bench.summary import summarize
 from pagedllm.engine.replica_pool import LOCAL_RAY_ENV
 from pagedllm.model.loader import load_tokenizer
 

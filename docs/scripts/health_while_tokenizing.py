@@ -18,7 +18,7 @@ import time
 import httpx
 import numpy as np
 
-from pagedllm.bench.serve import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 
 
 def main() -> None:

@@ -188,7 +188,7 @@ def print_attention_table(rows: list[dict[str, Any]], threads: int) -> None:
 
 def plot_attention(result: dict[str, Any], path: str) -> None:
     """Grouped bars (log scale): each variant's ms per call, per case."""
-    from pagedllm.bench.serve import pyplot
+    from pagedllm.bench.plots import pyplot
 
     plt = pyplot()
     rows = result["rows"]

@@ -17,11 +17,12 @@ from pagedllm.bench import (
     sharing,
     soak,
     structured,
+    sweep,
     throughput,
 )
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    for module in (throughput, sharing, serve, latency, attention, accuracy, soak, route, structured, fairness,
+    for module in (throughput, sharing, serve, sweep, latency, attention, accuracy, soak, route, structured, fairness,
                    sessions, kernels, lora):
         module.add_command(sub)

@@ -26,16 +26,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from pagedllm.bench.client import RequestResult, http_client, send_request
 from pagedllm.bench.results import write_json
-from pagedllm.bench.serve import (
-    RequestResult,
-    ServerProcess,
-    engine_actions,
-    fetch_model_card,
-    http_client,
-    passthrough_argv,
-    send_request,
-)
+from pagedllm.bench.server_process import ServerProcess, engine_actions, fetch_model_card, passthrough_argv
 from pagedllm.config import SCHEDULING_POLICIES, EngineConfig
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
 from pagedllm.core.service import service_bound

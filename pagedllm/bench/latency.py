@@ -232,7 +232,7 @@ def print_latency_row(row: dict[str, Any], header: bool) -> None:
 
 def plot_latency(result: dict[str, Any], path: str) -> None:
     """Stacked bars of the step's parts per (batch, context), in ms (x: the machine's bound) and in shares."""
-    from pagedllm.bench.serve import pyplot
+    from pagedllm.bench.plots import pyplot
 
     plt = pyplot()
     rows = result["rows"]

@@ -1,4 +1,4 @@
-"""A benchmark's result written as JSON: here, not in serve.py, so offline benchmarks need not import the HTTP
+"""A benchmark's result written as JSON: here, not in client.py, so offline benchmarks need not import the HTTP
 client to write theirs."""
 
 from __future__ import annotations

@@ -342,7 +342,7 @@ def print_row(row: dict[str, Any], header: bool) -> None:
 
 def plot_route(summary: dict[str, Any], path: str) -> None:
     """Per workload (rows): prefix hit rate, throughput and p99 TTFT against the number of replicas, per policy."""
-    from pagedllm.bench.serve import pyplot
+    from pagedllm.bench.plots import pyplot
 
     plt = pyplot()
     results = summary["results"]

@@ -33,20 +33,11 @@ from typing import Any
 
 import aiohttp
 
+from pagedllm.bench.client import PREEMPTIONS, RequestResult, http_client, scrape_metrics, send_request
 from pagedllm.bench.fairness import percentile
+from pagedllm.bench.plots import pyplot
 from pagedllm.bench.results import write_json
-from pagedllm.bench.serve import (
-    PREEMPTIONS,
-    RequestResult,
-    ServerProcess,
-    engine_actions,
-    fetch_model_card,
-    http_client,
-    passthrough_argv,
-    pyplot,
-    scrape_metrics,
-    send_request,
-)
+from pagedllm.bench.server_process import ServerProcess, engine_actions, fetch_model_card, passthrough_argv
 from pagedllm.config import SCHEDULING_POLICIES, EngineConfig
 
 CONFIGS = ("no-cache", "ram", "ram+tier", "restart")

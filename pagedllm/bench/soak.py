@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pagedllm.bench.serve import ServerProcess, fetch_model_card
+from pagedllm.bench.server_process import ServerProcess, fetch_model_card
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum an old song about rivers "
          "mountains cities numbers 1 2 3 and colours red green blue").split()

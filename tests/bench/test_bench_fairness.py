@@ -7,8 +7,8 @@ import asyncio
 import json
 
 from pagedllm.bench import fairness
+from pagedllm.bench.client import RequestResult
 from pagedllm.bench.fairness import Sent, Workload, client_rows, service_samples
-from pagedllm.bench.serve import RequestResult
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, max_service_gap
 from pagedllm.entrypoints.cli import main
 

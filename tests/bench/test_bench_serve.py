@@ -15,21 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.serve import (
-    ServerProcess,
-    default_threshold,
-    engine_actions,
-    free_port,
-    gauge_values,
-    max_sustainable_rates,
-    parse_metrics,
-    passthrough_argv,
-    plot_timelines,
-    run_async,
-    run_benchmark,
-    servable,
-    summarize,
-)
+from pagedllm.bench.client import gauge_values, parse_metrics, run_async, run_benchmark
+from pagedllm.bench.plots import plot_timelines
+from pagedllm.bench.serve import servable
+from pagedllm.bench.server_process import ServerProcess, engine_actions, free_port, passthrough_argv
+from pagedllm.bench.summary import summarize
+from pagedllm.bench.sweep import default_threshold, max_sustainable_rates
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import main
 

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
 from pagedllm.bench.lora import write_random_adapter
-from pagedllm.bench.serve import ServerProcess, request_models
+from pagedllm.bench.serve import request_models
+from pagedllm.bench.server_process import ServerProcess
 from pagedllm.entrypoints.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

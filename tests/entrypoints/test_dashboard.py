@@ -20,8 +20,8 @@ import httpx
 import pytest
 from test_server import FakeEngine, launch, metric, metrics
 
-from pagedllm.bench.serve import ServerProcess as Server
-from pagedllm.bench.serve import free_port
+from pagedllm.bench.server_process import ServerProcess as Server
+from pagedllm.bench.server_process import free_port
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main

@@ -21,7 +21,7 @@ from test_dashboard import browser, open_page  # noqa: F401 (browser is a fixtur
 
 ray = pytest.importorskip("ray")
 
-from pagedllm.bench.serve import ServerProcess  # noqa: E402
+from pagedllm.bench.server_process import ServerProcess  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.engine.replica_pool import LOCAL_RAY_ENV, NAMESPACE  # noqa: E402

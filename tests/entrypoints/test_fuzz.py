@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "80"))

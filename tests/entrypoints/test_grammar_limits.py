@@ -14,7 +14,7 @@ import httpx
 import llguidance as llg
 import pytest
 
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 from pagedllm.engine.grammar_limits import (
     MAX_REPEAT,
     check_lark,

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 from pagedllm.config import EngineConfig
 from pagedllm.engine.faults import ENV_VAR, FaultInjector
 from pagedllm.engine.llm_engine import LLMEngine

@@ -14,7 +14,7 @@ import pytest
 from conftest import make_peft_adapter, make_tiny_hf_model
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 
 API_KEY = "sk-lora-test"
 REPO = Path(__file__).resolve().parents[2]

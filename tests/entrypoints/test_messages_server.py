@@ -15,7 +15,7 @@ import pytest
 from test_server import launch
 from test_tool_calls import MODELS, TOOLS
 
-from pagedllm.bench.serve import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 
 API_KEY = "sk-test-messages"
 SYSTEM = "You are terse."

@@ -18,7 +18,7 @@ from test_server import launch, metrics
 from test_structured_server import Person
 from test_tool_calls import MODELS, TOOLS
 
-from pagedllm.bench.serve import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 from pagedllm.entrypoints.openai.protocol_responses import OutputMessage, OutputText, ResponseObject
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 

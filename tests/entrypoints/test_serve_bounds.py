@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 from pagedllm.config import ServerConfig
 from pagedllm.engine.protocol import QueueFullError, TooManySequencesError
 from pagedllm.engine.replica_pool import ReplicaPool

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.bench.serve import ServerProcess as Server
+from pagedllm.bench.server_process import ServerProcess as Server
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineRestartingError
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, RequestOutput

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from pagedllm.bench.serve import free_port
+from pagedllm.bench.server_process import free_port
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.serve import build_app

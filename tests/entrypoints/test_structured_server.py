@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from test_server import REPO, launch
 from test_tool_calls import MODELS, TOOLS
 
-from pagedllm.bench.serve import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
