@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pagedllm
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.cpus import cpu_budget
-from pagedllm.engine.llm_engine import tokenize_prompt
+from pagedllm.engine.prompts import tokenize_prompt
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, RequestStream, ServingObserver
 from pagedllm.engine.replica import KV_SNAPSHOT, EngineReplica, ReplicaInfo, ReplicaStatus
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, Route, Router

@@ -23,7 +23,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, build_serving_engine
-from pagedllm.engine.llm_engine import load_tokenizer, tokenize_prompt
+from pagedllm.engine.llm_engine import load_tokenizer
+from pagedllm.engine.prompts import tokenize_prompt
 from pagedllm.engine.protocol import EngineClient, RequestStream
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, PrefixIndex, block_hashes
 from pagedllm.outputs import RequestOutput

@@ -1,7 +1,7 @@
 """Tokenizer: text <-> token ids, the chat template, and incremental detokenization for streaming.
 
 Wraps a Hugging Face fast tokenizer (`tokenizers.Tokenizer`), built either from a model folder's
-`tokenizer.json` or from the vocabulary a GGUF file carries in its metadata (llama.cpp's key names).
+`tokenizer.json` or from the vocabulary a GGUF file carries in its metadata (llama.cpp's key names; gguf_vocab.py).
 """
 
 from __future__ import annotations
@@ -15,40 +15,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
 
-# llama.cpp token types (tokenizer.ggml.token_type)
-_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
-
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp and transformers' GGUF
-# converter define them. None means GPT-2's own regex (ByteLevel with use_regex=True).
-_GPT2 = None
-_DIGITS_THEN_GPT2 = "digits"  # llama.cpp's STARCODER/SMOLLM family: every digit alone, then the GPT-2 regex
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
-    "default": _GPT2,
-    "gpt2": _GPT2,
-    "gpt-2": _GPT2,
-    "smollm": _DIGITS_THEN_GPT2,
-    "starcoder": _DIGITS_THEN_GPT2,
-    "refact": _DIGITS_THEN_GPT2,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+from pagedllm.model.gguf_vocab import gguf_backend
 
 # Control tokens that end a turn; llama.cpp treats them as end-of-generation by their text.
 _END_OF_GENERATION_TEXTS = (
@@ -130,50 +100,13 @@ class Tokenizer:
         Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and sentencepiece BPE (`"llama"`) are supported,
         the way llama.cpp and transformers' GGUF converter read them.
         """
-        kind = metadata.get("tokenizer.ggml.model")
-        tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
-        token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-        if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, merges, metadata.get("tokenizer.ggml.pre", "default"))
-            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-        elif kind == "llama":
-            scores = metadata.get("tokenizer.ggml.scores")
-            unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-            backend = _sentencepiece_bpe(
-                tokens,
-                merges,
-                scores,
-                unk_token=None if unk_id is None else tokens[unk_id],
-                add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
-            )
-            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))
-        else:
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
-                "'llama' (sentencepiece BPE)"
-            )
-        backend.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, token_type in zip(tokens, token_types, strict=True)
-                if token_type in (_TOKEN_UNKNOWN, _TOKEN_CONTROL)
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, token_type in zip(tokens, token_types, strict=True)
-                if token_type == _TOKEN_USER_DEFINED
-            ]
-        )
+        backend, add_bos = gguf_backend(metadata)
         bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_token_id = metadata.get("tokenizer.ggml.eos_token_id")
         add_bos = add_bos and bos_token_id is not None
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_token_id is not None
-        _set_post_processor(backend, bos_token_id, add_bos, eos_token_id, add_eos, byte_level=kind == "gpt2")
+        _set_post_processor(backend, bos_token_id, add_bos, eos_token_id, add_eos,
+                            byte_level=metadata.get("tokenizer.ggml.model") == "gpt2")
         return cls(
             backend,
             bos_token_id=bos_token_id,
@@ -311,81 +244,6 @@ class IncrementalDetokenizer:
 
 
 # -- building backends ---------------------------------------------------------------------------------------
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[tuple], pre: str) -> BackendTokenizer:
-    """GPT-2 style byte-level BPE, split into words the way the vocabulary's `pre` type says."""
-    if pre not in _PRE_TOKENIZER_SPLITS:
-        raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(_PRE_TOKENIZER_SPLITS))}"
-        )
-    split = _PRE_TOKENIZER_SPLITS[pre]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    # llama.cpp (and Llama 3's tokenizer.json) look a whole word up in the vocabulary before merging
-    ignore_merges = split == _LLAMA3_SPLIT
-    backend = BackendTokenizer(
-        models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=ignore_merges)
-    )
-    if split is _GPT2:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif split == _DIGITS_THEN_GPT2:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_bpe(
-    tokens: list[str],
-    merges: list[tuple],
-    scores: Sequence[float] | None,
-    unk_token: str | None,
-    add_space_prefix: bool,
-) -> BackendTokenizer:
-    """Sentencepiece BPE with byte fallback (Llama 2, Mistral); merges from the file or from scores."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    if not merges:
-        if scores is None:
-            raise ValueError("sentencepiece GGUF tokenizer has neither merges nor scores")
-        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
-    backend = BackendTokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
-    )
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(content=" ", left=1))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two tokens is a merge; better-scored results merge first (as in HF)."""
-    merges = []
-    for token, score in scores.items():
-        local = [
-            (token[:i], token[i:], score)
-            for i in range(1, len(token))
-            if token[:i] in vocab and token[i:] in vocab
-        ]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
 
 
 def _set_post_processor(
