@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter
 from pagedllm.core.plan import SchedulerOutput
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, Writes
 from pagedllm.core.sequence import SequenceGroup
 
 # A group preempted this many times is no longer displaced by a waiting one, and is the last a shortage of blocks
@@ -19,8 +19,9 @@ from pagedllm.core.sequence import SequenceGroup
 # this often (unless nothing else is left to preempt)
 DISPLACEMENT_FLOOR = 2
 # Under fair, while a client within its share runs or was served within the last PACE_WINDOW_STEPS steps, a client
-# over its share starts one prompt a step and computes at most PACED_PROMPT_TOKENS of it: a light request arriving
-# meanwhile waits for at most such a step (docs/fairness.md, runs 10-11)
+# over its share computes at most PACED_PROMPT_TOKENS prompt tokens a step: a light request arriving meanwhile waits for
+# at most such a step (docs/fairness.md, runs 10-12). So does a client with more than one request in the first
+# PACE_WINDOW_STEPS steps after the server was idle: nobody knows yet who comes next.
 PACED_PROMPT_TOKENS = 64
 PACE_WINDOW_STEPS = 256
 
@@ -155,18 +156,21 @@ class FairScheduler(DisplacingScheduler):
         self.waiting = self.vtc = VirtualTokenCounter(client_weights)
         self.vtc.tie_break = self._load
         self._held: set[str | None] = set()  # clients whose prompts wait during this step
-        self._paced: set[str | None] = set()  # clients that start one prompt in this step at most
-        self._prompting: set[str | None] = set()  # the paced clients that have started it
+        self._paced: set[str | None] = set()  # clients that compute PACED_PROMPT_TOKENS prompt tokens this step at most
+        self._prompted: Counter[str | None] = Counter()  # the prompt tokens the paced clients computed this step
         self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
         self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
         self._steps = 0
+        self._idle_step = 0  # the last step that began with nothing running
         self._last_served: dict[str | None, int] = {}  # the step each client was last served in
 
     def schedule(self) -> SchedulerOutput:
         self._admitted = []
         self._seats_changed()
-        self._held, self._paced, self._prompting = self._clients_to_hold(), self._clients_to_pace(), set()
+        if not self.running:
+            self._idle_step = self._steps
+        self._held, self._paced, self._prompted = self._clients_to_hold(), self._clients_to_pace(), Counter()
         self.vtc.deferred = frozenset(self._held)
         out = super().schedule()
         if out.is_empty and not out.preempted and (self._held or self._paced):  # the pick did not get in, and
@@ -187,10 +191,14 @@ class FairScheduler(DisplacingScheduler):
     def _budget_for(self, group: SequenceGroup, budget: int) -> int:
         if group.is_decoding or group.client not in self._held | self._paced:
             return budget
-        if group.client in self._held or group.client in self._prompting:
+        if group.client in self._held:
             return 0
-        self._prompting.add(group.client)
-        return min(budget, PACED_PROMPT_TOKENS)
+        return min(budget, PACED_PROMPT_TOKENS - self._prompted[group.client])
+
+    def _run(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> None:
+        if group.client in self._paced and not group.is_decoding:
+            self._prompted[group.client] += sum(w.end - w.start for _, w in writes)
+        super()._run(group, writes, out)
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         super().preempt(group, out)
@@ -268,15 +276,19 @@ class FairScheduler(DisplacingScheduler):
 
     def _clients_to_pace(self) -> set[str | None]:
         """While a client whose demand fits its share runs, or was served recently, the clients whose demand exceeds
-        theirs: each starts one prompt per step at most, PACED_PROMPT_TOKENS of it, so that no step computes a batch
-        of their prompts at once (a light request arriving meanwhile would wait for all of it). A client alone for
-        PACE_WINDOW_STEPS steps is not paced."""
+        theirs: each computes at most PACED_PROMPT_TOKENS prompt tokens a step, so that no step computes a batch of
+        their prompts at once (a light request arriving meanwhile would wait for all of it). In the first
+        PACE_WINDOW_STEPS steps after the server was idle, every client with more than one request is paced: a light
+        request may arrive with the first step of a batch. A client alone for the window is not paced."""
         seats, recent = self._seats(), self._recently_served()
-        if len(seats.keys() | recent) < 2 and not self.vtc.queues.keys() - seats.keys():
+        present, starting = seats.keys() | recent, self._steps - self._idle_step < PACE_WINDOW_STEPS
+        if len(present) < 2 and not self.vtc.queues.keys() - seats.keys() and not starting:
             return set()
-        share = self._shares(seats, next(iter(seats), None))
-        over = {c for c in seats.keys() | self.vtc.queues.keys() if seats[c] + self.vtc.num_waiting(c) > share(c)}
-        return over if (seats.keys() | recent) - over else set()
+        share, clients = self._shares(seats, next(iter(seats), None)), present | self.vtc.queues.keys()
+        over = {c for c in clients if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        if present - over:
+            return over
+        return {c for c in clients if seats[c] + self.vtc.num_waiting(c) > 1} if starting else set()
 
     def _recently_served(self) -> set[str | None]:
         """The clients served within the last PACE_WINDOW_STEPS steps (a light client thinking between requests)."""

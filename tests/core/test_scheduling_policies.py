@@ -234,11 +234,12 @@ def test_light_requests_arriving_together_all_get_in_at_the_next_step():
     assert len(sim.finished) == 9 and sim.sched.num_displacements == 3
 
 
-def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts():
+def test_a_light_prompt_runs_in_a_step_without_the_heavy_clients_prompts(monkeypatch):
     """fair: a light request that arrives with a heavy client's batch, or beside a heavy prompt being prefilled in
     chunks, is admitted in the next step and computes its prompt there with only the running decodes: the heavy
-    prompts (whose client wants more than its share of the seats) wait that one step, then go on, one a step while
-    the light request runs."""
+    prompts (whose client wants more than its share of the seats) wait that one step, then go on, PACED_PROMPT_TOKENS
+    (16 here: one prompt) a step while the light request runs."""
+    monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 16)
     sim = policy_sim(FairScheduler, num_blocks=64, block_size=4, max_num_seqs=4, budget=64)
     plans = record_plans(sim)
     for i in range(6):
@@ -290,7 +291,7 @@ def test_a_returning_light_client_served_more_still_prompts_without_the_heavy_cl
     sim.step()
     assert first_tokens(plans[-1]) == {"light-b"} and prompt_tokens(plans[-1], "heavy") == 0
     sim.step()
-    assert prompt_tokens(plans[-1], "heavy") == 16  # then one a step while the light request runs
+    assert prompt_tokens(plans[-1], "heavy") == 48  # then PACED_PROMPT_TOKENS at most while the light request runs
     while sim.sched.has_unfinished():
         sim.step()
     assert len(sim.finished) == 8
@@ -312,6 +313,35 @@ def test_a_client_over_its_share_prompts_in_short_chunks_while_others_are_about(
     while sim.sched.has_unfinished():
         sim.step()
     assert len(sim.finished) == 13
+
+
+def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alone_for_the_window(monkeypatch):
+    """fair: a server that was idle cannot know who comes next: for PACE_WINDOW_STEPS steps a client with more than one
+    request computes at most PACED_PROMPT_TOKENS prompt tokens a step (a light request arriving with its first step
+    waits for a short step), then whole prompts again; a lone request (a chat turn) is never chunked."""
+    monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
+    monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    for i in range(12):
+        sim.add(request(f"heavy{i}", 20, 30, client="heavy", arrival=10 + i, first=300 + 30 * i))
+    sim.step()
+    assert prompt_tokens(plans[-1], "heavy") == 8
+    light = sim.add(request("light", 8, 2, client="light", arrival=20, first=200))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light"} and prompt_tokens(plans[-1], "heavy") == 0
+    while "light" not in sim.finished:
+        sim.step()
+    assert light.num_preemptions == 0
+    while not plans[-1].preempted and prompt_tokens(plans[-1], "heavy") <= 8 and len(plans) < 60:
+        sim.step()
+    assert prompt_tokens(plans[-1], "heavy") >= 20 and len(plans) < 60  # alone for the window: whole prompts
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert len(sim.finished) == 13
+    sim.add(request("chat", 40, 2, client="chat", arrival=90, first=500))  # the server idle again
+    sim.step()
+    assert prompt_tokens(plans[-1], "chat") == 40
 
 
 def test_a_pick_that_does_not_get_in_leaves_no_step_empty():
