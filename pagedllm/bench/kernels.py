@@ -16,7 +16,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.model import dispatch
 from pagedllm.model.layers import PackedWeight
-from pagedllm.model.model_runner import ModelRunner
+from pagedllm.model.model_runner import ModelRunner, kernel_variant
 
 DTYPE_ROWS = (1, 64, 256)
 
@@ -62,6 +62,9 @@ def print_table(table: dispatch.KernelTable) -> None:
             cells = " ".join(f"{'-' if t[i] is None else f'{t[i] * 1e6:.0f} us':>10}" for t in paths.values())
             print(f"{rows:>6} {cells} {won[i]:>10}")
     print(f"\nroutes: {table.summary()}")
+    print(table.shapes_summary())
+    if dispatch.bounded_shapes(table)[1] != table.shapes_summary():
+        print(f"  in this process: {dispatch.bounded_shapes(table)[1]}")
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
@@ -69,7 +72,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     torch.set_num_threads(config.num_threads)
     weights, dtype, name = build_untuned(config)
     start = time.perf_counter()
-    table = dispatch.tune(weights, dtype, name, refresh=True)
+    table = dispatch.tune(weights, dtype, name, refresh=True, variant=kernel_variant(config))
     if table is None:
         print(f"{dispatch.FORCE_ENV} is set: nothing measured")
         return 1

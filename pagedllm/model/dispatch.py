@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.model.layers import BIGGEST, PackedWeight, Route
+from pagedllm.model.layers import BIGGEST, PackedWeight, Route, padded_rows
 from pagedllm.model.threads import TAKEN_CORE, CpuSample, affinity, others_cpu, read_cpu_sample
 
 logger = logging.getLogger("pagedllm")
@@ -38,12 +40,21 @@ PRUNE = 2.0  # a path this much slower than the winner, and falling further behi
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
 BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
-PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1: oneDNN's matmuls run on layers.padded_rows rows (bounded shapes)
+PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
-# Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold
-# (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp).
-KERNELS_VERSION = "2"
+# Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
+# the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision).
+KERNELS_VERSION = "3"
+CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
+ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
+# Bounded shapes, measured: a oneDNN matmul at a row count this process never ran (a new primitive: cold) against the
+# same call again (warm). Odd counts are neither a bucket nor a padded size; each measurement shifts them by
+# FRESH_SHIFT so a later one in the same process (another engine) meets no primitive of an earlier one.
+FRESH_ROWS = (23, 45, 91)
+FRESH_SHIFT = 2
+PAD_BUDGET_S = 0.25  # kinds past this are counted at the measured ones' mean
+_fresh_calls = itertools.count()
 
 # One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
 Timer = Callable[[str, str, int, Callable[[], object]], float]
@@ -59,6 +70,13 @@ class KernelTable:
     seconds: float = 0.0  # spent measuring
     load: float = 0.0  # the 1-minute load average when measured
     others_cpu: float = 0.0  # the CPUs' worth of time other processes used on ours while it was measured
+    # Bounded shapes (PackedWeight.pad_rows, a primitive cache of PADDED_CACHE_CAPACITY): on where re-creating a
+    # step's oneDNN primitives (miss_s: cold - warm per oneDNN-routed kind, summed) costs more than padding its rows
+    # (pad_s: padded_rows' mean extra rows over a bucket at the warm per-row time, summed likewise).
+    bounded_shapes: bool = False
+    miss_s: float = 0.0
+    pad_s: float = 0.0
+    onednn_kinds: list[str] = field(default_factory=list)  # the kinds some of whose row counts oneDNN serves
 
     def winners(self, kind: str) -> list[str]:
         """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
@@ -92,14 +110,36 @@ class KernelTable:
             return ", ".join(p if limit == BIGGEST else f"{p} <={limit}" for limit, p in route)
         return "; ".join(f"{kind}: {legs(self.route(kind))}" for kind in self.times)
 
+    def shapes_summary(self) -> str:
+        """The bounded-shapes decision and what it rests on."""
+        return (f"bounded shapes {'on' if self.bounded_shapes else 'off'} (a new row count's oneDNN primitives "
+                f"{self.miss_s * 1e3:.2f} ms a step over {len(self.onednn_kinds)} kinds, padding "
+                f"{self.pad_s * 1e3:.2f} ms)")
 
-def pad_rows() -> bool:
-    return os.environ.get(PAD_ENV, "0") == "1"
+
+def pad_override() -> bool | None:
+    """PAGEDLLM_PAD_ROWS=1 / 0: bounded shapes on / off whatever was measured; unset (or else): measured."""
+    return {"1": True, "0": False}.get(os.environ.get(PAD_ENV, ""))
 
 
-def primitive_cache_capacity(unpadded: int) -> int:
-    """oneDNN's primitive cache size (read at its first primitive): with bounded shapes, room for all of them."""
-    return PADDED_CACHE_CAPACITY if pad_rows() else unpadded
+def capacity_in_force() -> int:
+    """oneDNN's primitive cache size as the environment says (the engine sets it before oneDNN's first primitive)."""
+    try:
+        return int(os.environ.get(CAPACITY_ENV, ONEDNN_DEFAULT_CAPACITY))
+    except ValueError:
+        return ONEDNN_DEFAULT_CAPACITY
+
+
+def primitive_cache_capacity(unpadded: int, dtype: torch.dtype, model_name: str, variant: str = "") -> int:
+    """oneDNN's primitive cache size, set before oneDNN's first primitive (the model's build, before any measuring):
+    room for every bounded shape where PAGEDLLM_PAD_ROWS=1 or this machine's cached table for the model decided
+    them, else `unpadded`. At a first start nothing is decided yet: today's cache, and the decision from the next."""
+    on = pad_override()
+    if on is None:
+        wanted = machine_key(dtype, model_name, variant)
+        table = load(cache_file(wanted))
+        on = table is not None and table.bounded_shapes and prebuild_part(table.key) == wanted
+    return PADDED_CACHE_CAPACITY if on else unpadded
 
 
 def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
@@ -124,21 +164,32 @@ def cpu_identity() -> tuple[str, str]:
     return name, flags
 
 
-def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str) -> dict[str, str]:
-    """What a table holds for: CPU model, ISA flags, threads, torch, the kernels' version, the model and each kind's
-    shape and forms."""
+def machine_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, str]:
+    """The part of a table's key known before the model is built: CPU model, ISA flags, threads, torch, the kernels'
+    version, the model, its dtype and `variant` (the engine flags that choose its weights' forms)."""
     cpu, flags = cpu_identity()
-    shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
-              for kind, ws in weights.items()}
     return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
             "torch": torch.__version__, "kernels": KERNELS_VERSION, "model": model_name,
-            "dtype": str(dtype).removeprefix("torch."),
-            "shapes": json.dumps(shapes, sort_keys=True), "buckets": repr(BUCKETS)}
+            "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(BUCKETS)}
+
+
+def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str,
+              variant: str = "") -> dict[str, str]:
+    """What a table holds for: machine_key and each kind's shape and forms."""
+    shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
+              for kind, ws in weights.items()}
+    return {**machine_key(dtype, model_name, variant), "shapes": json.dumps(shapes, sort_keys=True)}
+
+
+def prebuild_part(key: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in key.items() if k != "shapes"}
 
 
 def cache_file(key: dict[str, str]) -> Path:
+    """Named by the key's part known before the build, so the engine finds the bounded-shapes decision in time to
+    size oneDNN's cache (primitive_cache_capacity)."""
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(prebuild_part(key), sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / f"kernels-{digest}.json"
 
 
@@ -232,6 +283,55 @@ def falling_behind(times: dict[str, list[float | None]], path: str, i: int) -> b
     return path != "onednn" and i > 0 and ratio(i) > PRUNE and ratio(i) > ratio(i - 1)
 
 
+def mean_padding(rows: int) -> float:
+    """The rows padded_rows adds on average over the bucket (power-of-two range) that holds `rows`."""
+    low = 1 << (rows.bit_length() - 1)
+    return sum(padded_rows(r) - r for r in range(low, 2 * low)) / low
+
+
+def measure_shapes(weights: dict[str, list[PackedWeight]], table: KernelTable, dtype: torch.dtype,
+                   timer: Timer = time_call, budget_s: float = PAD_BUDGET_S) -> None:
+    """Decide bounded shapes into `table`: on each kind its route sends to oneDNN (smallest weight first), a matmul
+    at FRESH_ROWS row counts new to this process (cold: a primitive created) and the same call again (warm, the
+    faster of two). A step at a new row count re-creates one primitive per such kind (miss_s); padding costs every
+    step mean_padding's rows at the warm per-row time (pad_s). Kinds past `budget_s` count at the measured mean."""
+    kinds = [k for k in table.times if any(p == "onednn" for _, p in table.route(k))]
+    shift = FRESH_SHIFT * next(_fresh_calls) % 64
+    start, misses, pads = time.perf_counter(), [], []
+    for kind in sorted(kinds, key=lambda k: math.prod(weights[k][0].shape)):
+        if misses and time.perf_counter() - start > budget_s:
+            break
+        weight, cold_warm = weights[kind][0], []
+        weight.mm(torch.randn(1, weight.shape[1]).to(dtype), path="onednn")  # its weight as near as a warm call's
+        for rows in (r + shift for r in FRESH_ROWS):
+            run = functools.partial(weight.mm, torch.randn(rows, weight.shape[1]).to(dtype), path="onednn")
+            cold = timer(kind, "onednn_cold", rows, run)
+            warm = min(timer(kind, "onednn", rows, run) for _ in range(2))
+            cold_warm.append((max(cold - warm, 0.0), mean_padding(rows) * warm / rows))
+        misses.append(statistics.median(m for m, _ in cold_warm))
+        pads.append(statistics.median(p for _, p in cold_warm))
+    table.onednn_kinds = kinds
+    table.miss_s = round(statistics.fmean(misses) * len(kinds), 6) if misses else 0.0
+    table.pad_s = round(statistics.fmean(pads) * len(kinds), 6) if pads else 0.0
+    table.bounded_shapes = table.miss_s > table.pad_s
+    table.seconds = round(table.seconds + time.perf_counter() - start, 3)
+
+
+def bounded_shapes(table: KernelTable | None) -> tuple[bool, str]:
+    """Whether this process pads oneDNN's rows, and why: PAGEDLLM_PAD_ROWS, else the table's decision where oneDNN's
+    cache (sized before the decision, at its first primitive) holds every padded shape; else off."""
+    override = pad_override()
+    if override is not None:
+        why = f"bounded shapes {'on' if override else 'off'} ({PAD_ENV}={os.environ[PAD_ENV]})"
+        return override, why if table is None else f"{why}; measured: {table.shapes_summary()}"
+    if table is None:
+        return False, "bounded shapes off"
+    if table.bounded_shapes and capacity_in_force() < PADDED_CACHE_CAPACITY:
+        return False, (f"{table.shapes_summary()}, from the next start: oneDNN's cache holds {capacity_in_force()} "
+                       f"primitives in this process")
+    return table.bounded_shapes, table.shapes_summary()
+
+
 def apply(table: KernelTable, weights: dict[str, list[PackedWeight]]) -> None:
     """Route every weight by its kind's winners and drop the forms no route takes."""
     for kind, ws in weights.items():
@@ -249,12 +349,11 @@ def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
                 w.route = ((BIGGEST, path),)
 
 
-def load(path: Path, key: dict[str, str]) -> KernelTable | None:
+def load(path: Path) -> KernelTable | None:
     try:
-        table = KernelTable(**json.loads(path.read_text()))
+        return KernelTable(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    return table if table.key == key else None
 
 
 def save(path: Path, table: KernelTable) -> None:
@@ -268,29 +367,37 @@ def save(path: Path, table: KernelTable) -> None:
         logger.warning("could not cache the kernel table at %s: %s", path, e)
 
 
-def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str, refresh: bool = False,
-         timer: Timer = time_call) -> KernelTable | None:
-    """Set every weight's route: the cached table for this machine and model, else a fresh measurement (cached);
-    PAGEDLLM_KERNEL=static keeps the hand-tuned routes, =PATH forces one. Logs which path each kind's batches take."""
-    padded = pad_rows()
+def set_padding(weights: dict[str, list[PackedWeight]], padded: bool) -> None:
     for weight in (w for kind in weights.values() for w in kind):
         weight.pad_rows = padded  # each weight's own flag: nothing process-wide is replaced
+
+
+def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str, refresh: bool = False,
+         timer: Timer = time_call, variant: str = "") -> KernelTable | None:
+    """Set every weight's route and bounded shapes: the cached table for this machine and model, else a fresh
+    measurement (cached); PAGEDLLM_KERNEL=static keeps the hand-tuned routes, =PATH forces one. Logs which path
+    each kind's batches take, and whether oneDNN's rows are padded."""
+    set_padding(weights, False)  # measured unpadded: a padded fresh row count would meet an older primitive
     forced = os.environ.get(FORCE_ENV, "measured")
     if forced not in ("measured", "static", *PATHS):
         raise ValueError(f"{FORCE_ENV} must be measured, static or one of {', '.join(PATHS)}, got {forced!r}")
     if forced != "measured" or not weights:
         if forced in PATHS:
             force(forced, weights)
-        logger.info("kernels: %s=%s, not measured", FORCE_ENV, forced)
+        padded, shapes = bounded_shapes(None)
+        set_padding(weights, padded)
+        logger.info("kernels: %s=%s, not measured; %s", FORCE_ENV, forced, shapes)
         return None
-    key = table_key(weights, dtype, model_name)
+    key = table_key(weights, dtype, model_name, variant)
     file = cache_file(key)
-    table = None if refresh else load(file, key)
+    table = None if refresh else load(file)
+    table = table if table is not None and table.key == key else None
     how = f"read from {file}"
     if table is None:
         start = cpu_sample()
         with torch.inference_mode():
             table = measure(weights, dtype, timer)
+            measure_shapes(weights, table, dtype, timer)
         table.key, table.load, table.others_cpu = key, machine_load(), round(others_since(start), 2)
         how = f"measured in {table.seconds:.1f} s, cached at {file}"
         if not cacheable(table):
@@ -299,5 +406,7 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         else:
             save(file, table)
     apply(table, weights)
-    logger.info("kernels (%s): %s", how, table.summary())
+    padded, shapes = bounded_shapes(table)
+    set_padding(weights, padded)
+    logger.info("kernels (%s): %s; %s", how, table.summary(), shapes)
     return table

@@ -40,6 +40,12 @@ INT8_DEFAULT = ("lm_head",)
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 32  # matmul shapes oneDNN keeps ready (see from_config)
 
 
+def kernel_variant(config: EngineConfig) -> str:
+    """The engine flags that choose the forms of the model's weights: part of the kernel table's key, known before
+    the model is built (model/dispatch.py)."""
+    return f"quantization={config.quantization} backend={config.attention_backend} dtype={config.dtype}"
+
+
 def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
     """One token's K (or V) in one layer's cache: [num_kv_heads, head_dim], or int8 records (uint8)."""
     row = kv_record_len(config.head_dim) if kv_dtype == torch.uint8 else config.head_dim
@@ -88,11 +94,6 @@ class ModelRunner:
         """Load the checkpoint, size the KV pool from the memory budget and build the kernels now, not on a request;
         the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
         governor = start_threads(config.threads)
-        # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
-        # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
-        # Read when oneDNN makes its first primitive; re-creating one costs no measurable throughput (performance.md).
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
-                              str(dispatch.primitive_cache_capacity(ONEDNN_PRIMITIVE_CACHE_CAPACITY)))
         dtype = getattr(torch, config.torch_dtype_name)
         # bf16: the file's 4-bit weights (and with them the int8 lm_head below) as before; fp32: only for its kernel
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference" and (
@@ -107,9 +108,16 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
         if config.attention_backend != "reference":
             is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
+        # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
+        # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
+        # Read when oneDNN makes its first primitive (the build below): room for every bounded shape where the
+        # measured dispatch chose them (re-creating primitives cost more than padding), else 32 (performance.md).
+        variant = kernel_variant(config)
+        os.environ.setdefault(dispatch.CAPACITY_ENV, str(dispatch.primitive_cache_capacity(
+            ONEDNN_PRIMITIVE_CACHE_CAPACITY, dtype, loaded.name, variant)))
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
-        dispatch.tune(model.packed_weights(), dtype, loaded.name)  # which kernel runs each matmul, measured here
+        dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,

@@ -1,6 +1,7 @@
 """The measured kernel choice (model/dispatch.py), driven by fake timings: which path wins each row count, how a
-route reads the winners, what is cached and reused, what PAGEDLLM_KERNEL forces, and bounded shapes. No timing
-assertions: the timer is a function of (kind, path, rows) the test writes."""
+route reads the winners, what is cached and reused, what PAGEDLLM_KERNEL forces, and bounded shapes (decided by
+a new primitive's cost against padding's, or PAGEDLLM_PAD_ROWS). No timing assertions: the timer is a function of
+(kind, path, rows) the test writes."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     monkeypatch.delenv(dispatch.PAD_ENV, raising=False)
+    monkeypatch.delenv(dispatch.CAPACITY_ENV, raising=False)  # oneDNN's own 1,024: room for bounded shapes
     monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
     monkeypatch.setattr(dispatch, "others_since", lambda start: 0.0)
     yield
@@ -31,7 +33,8 @@ def ext():
 
 
 class FakeTimer:
-    """Seconds per call from a table of per-row costs; counts the calls per (kind, path, rows)."""
+    """Seconds per call from a table of per-row costs; counts the calls per (kind, path, rows). A cold oneDNN call
+    (a new primitive, "onednn_cold") costs oneDNN's, plus its fixed cost if one is given."""
 
     def __init__(self, per_row: dict[str, float], fixed: dict[str, float] | None = None) -> None:
         self.per_row, self.fixed = per_row, fixed or {}
@@ -39,7 +42,7 @@ class FakeTimer:
 
     def __call__(self, kind: str, path: str, rows: int, run) -> float:
         self.calls[kind, path, rows] = self.calls.get((kind, path, rows), 0) + 1
-        return self.fixed.get(path, 0.0) + self.per_row[path] * rows
+        return self.fixed.get(path, 0.0) + self.per_row[path.removesuffix("_cold")] * rows
 
 
 PLAIN = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.1
@@ -238,3 +241,76 @@ def test_an_int8_weight_offers_both_products_and_keeps_the_one_routed(ext):
     x = torch.randn(5, 32)
     out = linear(x, weight)
     assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03
+
+
+def creation_costing(seconds: float) -> FakeTimer:
+    """int8 wins qkv; o, oneDNN's alone, is the one kind routed to oneDNN: its new primitives cost `seconds` more."""
+    return FakeTimer({"int8": 1.0, "onednn": 2.0}, fixed={"onednn_cold": seconds})
+
+
+def padded_weights(w: dict[str, list[PackedWeight]]) -> set[bool]:
+    return {weight.pad_rows for kind in w.values() for weight in kind}
+
+
+@pytest.mark.parametrize("creation, bounded", [(50.0, True), (0.5, False)])
+def test_bounded_shapes_where_new_primitives_cost_more_than_padding(ext, creation, bounded, caplog):
+    """A step at a new row count pays one primitive per oneDNN-routed kind (cold - warm); padding pays the bucket's
+    mean extra rows at the warm per-row time: 2 s a row here, 1.5 rows at 45 rows (the median of the three)."""
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    w, timer = weights(ext), creation_costing(creation)
+    t = dispatch.tune(w, torch.float32, "tiny", timer=timer)
+    assert t.onednn_kinds == ["o"] and not any(k == "qkv" and p == "onednn_cold" for k, p, _ in timer.calls)
+    assert t.miss_s == pytest.approx(creation) and t.pad_s == pytest.approx(2.0 * dispatch.mean_padding(45))
+    assert t.bounded_shapes is bounded and padded_weights(w) == {bounded}
+    assert f"bounded shapes {'on' if bounded else 'off'}" in caplog.text
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny") == (dispatch.PADDED_CACHE_CAPACITY
+                                                                              if bounded else 32)
+
+
+def test_new_row_counts_are_new_to_the_process(ext):
+    """Each measurement's row counts are odd (no bucket, no padded size) and differ from the last one's."""
+    rounds = []
+    for _ in range(2):
+        timer = creation_costing(1.0)
+        dispatch.measure_shapes(weights(ext), table({"o": {"onednn": [1.0]}}, [1]), torch.float32, timer)
+        rounds.append({rows for _, path, rows in timer.calls if path == "onednn_cold"})
+    assert len(rounds[0]) == len(dispatch.FRESH_ROWS) and not rounds[0] & rounds[1]
+    assert all(r % 2 and r > 16 and dispatch.padded_rows(r) != r for r in rounds[0] | rounds[1])
+
+
+def test_the_decision_round_trips_through_the_cache_and_sizes_onednn_before_the_build(ext, tmp_path):
+    first = dispatch.tune(weights(ext), torch.float32, "tiny", timer=creation_costing(50.0), variant="a")
+    timer = creation_costing(0.0)
+    w = weights(ext)
+    again = dispatch.tune(w, torch.float32, "tiny", timer=timer, variant="a")
+    assert not timer.calls and padded_weights(w) == {True}
+    assert (again.bounded_shapes, again.miss_s, again.pad_s, again.onednn_kinds) == (
+        first.bounded_shapes, first.miss_s, first.pad_s, first.onednn_kinds) == (True, 50.0, first.pad_s, ["o"])
+    # found before the weights exist (the model's build creates oneDNN's first primitive); per model and variant
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny", "a") == dispatch.PADDED_CACHE_CAPACITY
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny", "b") == 32
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "other", "a") == 32
+
+
+def test_bounded_shapes_wait_for_a_cache_that_holds_them(ext, monkeypatch, caplog):
+    """Decided at a first start, after oneDNN's cache was sized at 32: padding would only add rows, so it starts
+    with the next start (which sizes the cache from the cached decision)."""
+    monkeypatch.setenv(dispatch.CAPACITY_ENV, "32")
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    w = weights(ext)
+    t = dispatch.tune(w, torch.float32, "tiny", timer=creation_costing(50.0))
+    assert t.bounded_shapes and padded_weights(w) == {False} and "from the next start" in caplog.text
+
+
+@pytest.mark.parametrize("override", ["0", "1"])
+def test_pad_rows_overrides_the_decision(ext, monkeypatch, caplog, override):
+    """PAGEDLLM_PAD_ROWS=1 pads (and sizes oneDNN's cache) where the measurement says no, =0 the reverse; the table
+    still holds what was measured."""
+    caplog.set_level(logging.INFO, logger="pagedllm")
+    monkeypatch.setenv(dispatch.PAD_ENV, override)
+    w = weights(ext)
+    t = dispatch.tune(w, torch.float32, "tiny", timer=creation_costing(0.5 if override == "1" else 50.0))
+    assert t.bounded_shapes is (override == "0") and padded_weights(w) == {override == "1"}
+    assert f"{dispatch.PAD_ENV}={override}" in caplog.text
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny") == (dispatch.PADDED_CACHE_CAPACITY
+                                                                              if override == "1" else 32)
