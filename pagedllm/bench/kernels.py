@@ -62,9 +62,7 @@ def print_table(table: dispatch.KernelTable) -> None:
             cells = " ".join(f"{'-' if t[i] is None else f'{t[i] * 1e6:.0f} us':>10}" for t in paths.values())
             print(f"{rows:>6} {cells} {won[i]:>10}")
     print(f"\nroutes: {table.summary()}")
-    print(table.shapes_summary())
-    if dispatch.bounded_shapes(table)[1] != table.shapes_summary():
-        print(f"  in this process: {dispatch.bounded_shapes(table)[1]}")
+    print(dispatch.bounded_shapes(table)[1])  # the decision, its inputs, and whether this process pads
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
