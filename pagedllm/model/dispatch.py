@@ -292,29 +292,37 @@ def mean_padding(rows: int) -> float:
 def measure_shapes(weights: dict[str, list[PackedWeight]], table: KernelTable, dtype: torch.dtype,
                    timer: Timer = time_call, budget_s: float = PAD_BUDGET_S) -> None:
     """Decide bounded shapes into `table`: on each kind its route sends to oneDNN (smallest weight first), a matmul
-    at FRESH_ROWS row counts new to this process (cold: a primitive created) and the same call again (warm, the
-    faster of two). A step at a new row count re-creates one primitive per such kind (miss_s); padding costs every
-    step mean_padding's rows at the warm per-row time (pad_s). Kinds past `budget_s` count at the measured mean."""
+    at FRESH_ROWS row counts new to this process (cold: a primitive created) and the same call again (warm). A step
+    at a new row count re-creates one primitive per such kind (miss_s); padding costs every step mean_padding's rows
+    at the warm per-row time (pad_s). Past `budget_s` nothing more is timed: the kinds left count at the mean."""
     kinds = [k for k in table.times if any(p == "onednn" for _, p in table.route(k))]
     shift = FRESH_SHIFT * next(_fresh_calls) % 64
-    start, misses, pads = time.perf_counter(), [], []
+    start = time.perf_counter()
+    samples: dict[str, list[tuple[float, float]]] = {}  # per kind, (miss, pad) at each row count timed
     for kind in sorted(kinds, key=lambda k: math.prod(weights[k][0].shape)):
-        if misses and time.perf_counter() - start > budget_s:
-            break
-        weight, cold_warm = weights[kind][0], []
-        weight.mm(torch.randn(1, weight.shape[1]).to(dtype), path="onednn")  # its weight as near as a warm call's
-        for rows in (r + shift for r in FRESH_ROWS):
-            run = functools.partial(weight.mm, torch.randn(rows, weight.shape[1]).to(dtype), path="onednn")
-            cold = timer(kind, "onednn_cold", rows, run)
-            warm = min(timer(kind, "onednn", rows, run) for _ in range(2))
-            cold_warm.append((max(cold - warm, 0.0), mean_padding(rows) * warm / rows))
-        misses.append(statistics.median(m for m, _ in cold_warm))
-        pads.append(statistics.median(p for _, p in cold_warm))
+        weight = weights[kind][0]
+        for i, rows in enumerate(r + shift for r in FRESH_ROWS):
+            if samples and time.perf_counter() - start > budget_s:
+                break
+            if i == 0:  # its weight brought as near as a warm call finds it
+                weight.mm(torch.randn(1, weight.shape[1]).to(dtype), path="onednn")
+            samples.setdefault(kind, []).append(time_fresh(weight, kind, rows, dtype, timer))
+    misses = [statistics.median(m for m, _ in s) for s in samples.values()]
+    pads = [statistics.median(p for _, p in s) for s in samples.values()]
     table.onednn_kinds = kinds
     table.miss_s = round(statistics.fmean(misses) * len(kinds), 6) if misses else 0.0
     table.pad_s = round(statistics.fmean(pads) * len(kinds), 6) if pads else 0.0
     table.bounded_shapes = table.miss_s > table.pad_s
     table.seconds = round(table.seconds + time.perf_counter() - start, 3)
+
+
+def time_fresh(weight: PackedWeight, kind: str, rows: int, dtype: torch.dtype, timer: Timer) -> tuple[float, float]:
+    """At a row count new to this process: what its new primitive costs (cold - warm, the warm the faster of two)
+    and what padding costs there (mean_padding's rows at the warm per-row time)."""
+    run = functools.partial(weight.mm, torch.randn(rows, weight.shape[1]).to(dtype), path="onednn")
+    cold = timer(kind, "onednn_cold", rows, run)
+    warm = min(timer(kind, "onednn", rows, run) for _ in range(2))
+    return max(cold - warm, 0.0), mean_padding(rows) * warm / rows
 
 
 def bounded_shapes(table: KernelTable | None) -> tuple[bool, str]:

@@ -314,3 +314,13 @@ def test_pad_rows_overrides_the_decision(ext, monkeypatch, caplog, override):
     assert f"{dispatch.PAD_ENV}={override}" in caplog.text
     assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny") == (dispatch.PADDED_CACHE_CAPACITY
                                                                               if override == "1" else 32)
+
+
+def test_past_its_budget_the_decision_counts_the_kinds_left_at_the_measured_mean(ext):
+    """Both kinds run oneDNN here; with no budget left after the first row count, that one sample stands for both."""
+    w, timer = weights(ext, layers=1), FakeTimer({"int8": 3.0, "onednn": 2.0}, fixed={"onednn_cold": 5.0})
+    t = dispatch.measure(w, torch.float32, timer)
+    timer.calls.clear()
+    dispatch.measure_shapes(w, t, torch.float32, timer, budget_s=0.0)
+    assert sorted(t.onednn_kinds) == ["o", "qkv"] and sum(p == "onednn_cold" for _, p, _ in timer.calls) == 1
+    assert t.miss_s == pytest.approx(2 * 5.0) and t.bounded_shapes
