@@ -27,9 +27,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "int4_args.h"
+
 namespace {
 
-constexpr int64_t kTile = 64, kHalf = 32, kGroup = 32, kNarrowRows = 8, kBlockRows = 6;
+constexpr int64_t kTile = 64, kHalf = 32, kGroup = int4_args::kGroup, kNarrowRows = 8, kBlockRows = 6;
 constexpr int64_t kHalfBytes = kGroup * 16;  // one half tile's nibbles for one group
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -152,17 +154,9 @@ bool int4_linear_f32_supported() { return kSupported; }
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins) {
   TORCH_CHECK(kSupported, "int4_linear_f32 needs AVX-512F and F16C (this build has no such instructions)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be a contiguous float32 matrix");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(2) == 2 && packed.size(3) == kGroup && packed.size(4) == 16,
-              "packed must be contiguous uint8 [N/64, K/32, 2, 32, 16]");
-  const int64_t T = packed.size(0), G = packed.size(1), M = x.size(0), K = x.size(1), N = T * kTile;
-  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  for (const at::Tensor* s : {&scales, &mins})
-    TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == T &&
-                    s->size(1) == G && s->size(2) == kTile,
-                "scales and mins must be contiguous float16 [N/64, K/32, 64]");
+  const int4_args::Dims dims = int4_args::check(x, at::kFloat, "float32", packed, {2, kGroup, 16},
+                                                "[N/64, K/32, 2, 32, 16]", scales, mins, kTile);
+  const int64_t T = dims.T, G = dims.G, M = dims.M, K = dims.K, N = dims.N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 #if defined(__AVX512F__) && defined(__F16C__)
