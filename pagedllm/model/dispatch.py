@@ -124,22 +124,27 @@ def cpu_identity() -> tuple[str, str]:
     return name, flags
 
 
-def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str) -> dict[str, str]:
-    """What a table holds for: CPU model, ISA flags, threads, torch, the kernels' version, the model and each kind's
-    shape and forms."""
+def machine_key() -> dict[str, str]:
+    """What any measurement here holds for: CPU model, ISA flags, threads and torch (bench/roofline.py keys its peak
+    matmul rate by it too)."""
     cpu, flags = cpu_identity()
+    return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__}
+
+
+def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str) -> dict[str, str]:
+    """What a table holds for: the machine, the kernels' version, the model and each kind's shape and forms."""
     shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
               for kind, ws in weights.items()}
-    return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
-            "torch": torch.__version__, "kernels": KERNELS_VERSION, "model": model_name,
+    return {**machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
             "dtype": str(dtype).removeprefix("torch."),
             "shapes": json.dumps(shapes, sort_keys=True), "buckets": repr(BUCKETS)}
 
 
-def cache_file(key: dict[str, str]) -> Path:
+def cache_file(key: dict[str, str], prefix: str = "kernels") -> Path:
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"kernels-{digest}.json"
+    return Path(root) / f"{prefix}-{digest}.json"
 
 
 def machine_load() -> float:
@@ -163,8 +168,12 @@ def others_since(start: CpuSample | None) -> float:
 
 
 def cacheable(table: KernelTable) -> bool:
+    return quiet(table.load, table.others_cpu)
+
+
+def quiet(load: float, others: float) -> bool:
     """Measured with no other process holding TAKEN_CORE of a core (the governor's threshold) or more."""
-    return table.load <= (os.cpu_count() or 1) and table.others_cpu < TAKEN_CORE
+    return load <= (os.cpu_count() or 1) and others < TAKEN_CORE
 
 
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
@@ -250,22 +259,35 @@ def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
 
 
 def load(path: Path, key: dict[str, str]) -> KernelTable | None:
+    data = load_json(path, key)
     try:
-        table = KernelTable(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return None if data is None else KernelTable(**data)
+    except TypeError:
         return None
-    return table if table.key == key else None
 
 
 def save(path: Path, table: KernelTable) -> None:
+    save_json(path, asdict(table))
+
+
+def load_json(path: Path, key: dict[str, str]) -> dict | None:
+    """A cached measurement, if its file is there, readable and measured for `key` (its "key" field)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
+def save_json(path: Path, data: dict) -> None:
     """Written whole or not at all (another process may be reading or writing it too)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(table), indent=1))
+        tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
     except OSError as e:
-        logger.warning("could not cache the kernel table at %s: %s", path, e)
+        logger.warning("could not cache a measurement at %s: %s", path, e)
 
 
 def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str, refresh: bool = False,
