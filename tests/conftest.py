@@ -6,9 +6,12 @@ greedy decoding wanders over many tokens instead of repeating one, and every ten
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,3 +215,36 @@ def peft_reference_model(base_dir: str, adapter_dir: str):
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+
+
+
+FAKE_GFLOPS, FAKE_COPY_GBPS = 100.0, 10.0  # fake_machine's speeds
+
+
+def fake_peak(dtype_name: str) -> dict[str, float]:
+    return {f"{dtype_name}_gflops": FAKE_GFLOPS, "copy_gbps": FAKE_COPY_GBPS}
+
+
+@contextlib.contextmanager
+def faked_machine(folder: Path) -> Iterator[None]:
+    """The bench commands' machine-limit estimates take fake speeds, cached in `folder`: no test measures this
+    machine (seconds of matmuls) or puts fake speeds in the user's cache. The kernel tables stay where they are
+    (measuring them in every test would cost seconds each)."""
+    from pagedllm.bench import roofline
+    from pagedllm.model import dispatch
+
+    real = dispatch.cache_file
+
+    def cache_file(key: dict[str, str], prefix: str = "kernels") -> Path:
+        return folder / real(key, prefix).name if prefix == roofline.MACHINE_CACHE else real(key, prefix)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch, "cache_file", cache_file)
+        mp.setattr(roofline, "measure_peak", fake_peak)
+        yield
+
+
+@pytest.fixture
+def fake_machine(tmp_path):
+    with faked_machine(tmp_path):
+        yield

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.roofline import PEAK_GFLOPS, Machine, decode_bound, measure_machine
+from pagedllm.bench.roofline import ASSUMED_MEM_GBPS, Machine, decode_bound, local_machine
 from pagedllm.config import EngineConfig
 from pagedllm.engine.step_timers import PART_HELP, PARTS
 
@@ -112,16 +112,19 @@ def latency_sizes(args: argparse.Namespace) -> tuple[list[int], list[int], int]:
     steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else 10
     if steps < 1 or args.warmup_steps < 0:
         raise ValueError("--steps must be positive and --warmup-steps not negative")
-    if min(args.peak_gflops or 1, args.mem_gbps, args.max_kv_gib) <= 0:
+    if min(args.peak_gflops or 1, args.mem_gbps or 1, args.max_kv_gib) <= 0:
         raise ValueError("--peak-gflops, --mem-gbps and --max-kv-gib must be positive")
     return batches, ctxs, steps
 
 
 def machine_for(args: argparse.Namespace, dtype_name: str) -> Machine:
-    measured = measure_machine() if args.measure_machine else None
-    if measured:
-        return Machine(measured[f"{dtype_name}_gflops"], measured["copy_gbps"], measured)
-    return Machine(args.peak_gflops or PEAK_GFLOPS[dtype_name], args.mem_gbps)
+    """--peak-gflops as given (assumed), else this machine's measured speeds (cached; --measure-machine: afresh)."""
+    if args.peak_gflops and not args.measure_machine:
+        return Machine(args.peak_gflops, args.mem_gbps or ASSUMED_MEM_GBPS, source="assumed (--peak-gflops)")
+    machine = local_machine(dtype_name, refresh=args.measure_machine)
+    if args.mem_gbps is not None:
+        machine = dataclasses.replace(machine, mem_gbps=args.mem_gbps, source=f"{machine.source}; --mem-gbps given")
+    return machine
 
 
 def skip_reason(case: LatencyCase, max_model_len: int, max_kv_bytes: float, pool_tokens: int | None) -> str | None:
@@ -167,6 +170,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     torch.set_num_threads(base.num_threads)
     config = load_model(base.model, dtype).config  # the shape, to size each run's KV cache before its engine
     machine = machine_for(args, base.torch_dtype_name)
+    print(f"Machine: {machine.peak_gflops:.0f} GFLOP/s matmul, {machine.mem_gbps:.0f} GB/s copy ({machine.source})")
     max_model_len = min(config.max_position_embeddings, base.max_model_len or config.max_position_embeddings)
     kv_dtype = getattr(torch, base.kv_cache_torch_dtype_name)
     pool_tokens = kv_pool_tokens(base, config, kv_dtype) if user_sized else None
@@ -268,10 +272,13 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     lt.add_argument("--warmup-steps", type=int, default=2)
     lt.add_argument("--max-kv-gib", type=float, default=8.0, help="skip runs whose KV cache would exceed this")
     lt.add_argument("--peak-gflops", type=float, default=None,
-                    help="peak matmul GFLOP/s in the model's dtype (default: this machine's, bf16 390, fp32 190)")
-    lt.add_argument("--mem-gbps", type=float, default=20.0, help="memory bandwidth, GB/s")
+                    help="peak matmul GFLOP/s in the model's dtype (default: this machine's, measured once and cached)")
+    lt.add_argument("--mem-gbps", type=float, default=None,
+                    help=f"memory bandwidth, GB/s (default: this machine's copy rate, measured with the peak; "
+                         f"{ASSUMED_MEM_GBPS:.0f} with --peak-gflops)")
     lt.add_argument("--measure-machine", action="store_true",
-                    help="measure peak GFLOP/s (a 2048^3 matmul) and bandwidth (a large copy) instead")
+                    help="measure peak GFLOP/s (a 2048^3 matmul) and bandwidth (a large copy) afresh, not from the "
+                         "cache")
     lt.add_argument("--quick", action="store_true", help=f"batch sizes {QUICK_BATCH_SIZES}, contexts "
                                                          f"{QUICK_CONTEXT_LENS}, {QUICK_STEPS} steps (a smoke test)")
     lt.add_argument("--output-json", default=None)

@@ -1,5 +1,6 @@
 """The machine's limit: peak matmul and memory speed, and what they allow a decode step or a whole workload (a
-roofline estimate that benchmarks print beside what they measured)."""
+roofline estimate that benchmarks print beside what they measured). The speeds are this machine's: measured once per
+CPU model, ISA flags, threads and torch, and cached beside the kernel table (model/dispatch.py's key and folder)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,22 @@ from typing import Any
 
 import torch
 
+from pagedllm.model import dispatch
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
 
-# Peak matmul GFLOP/s measured on this project's machine (2 vCPUs of an AMD EPYC, AVX512-BF16, no AMX): 2048^3.
-PEAK_GFLOPS = {"bfloat16": 390.0, "float32": 190.0}
+ASSUMED_MEM_GBPS = 20.0  # bench latency's bandwidth beside a --peak-gflops given by hand (nothing measured then)
+MACHINE_CACHE = "roofline"  # the cache file's prefix, beside dispatch's "kernels"
+
+# One measurement of this machine: dtype name -> {"<dtype>_gflops": ..., "copy_gbps": ...}. Tests pass fakes.
+Measure = Callable[[str], dict[str, float]]
 
 
 @dataclass
 class Machine:
     peak_gflops: float  # matmul, in the model's dtype
     mem_gbps: float  # memory bandwidth (bytes read + written per second)
-    measured: dict[str, float] | None = None  # what --measure-machine found
+    measured: dict[str, float] | None = None  # what the measurement found
+    source: str = "assumed"  # where the figures come from: measured here, cached (file), or assumed
 
 
 def call_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -35,20 +41,48 @@ def call_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
     return times
 
 
-def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int = 3) -> dict[str, float]:
-    """Best-of-`repeats` GFLOP/s of a size^3 matmul in bf16 and fp32, and GB/s of a large tensor copy
+def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int = 3,
+                    dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> dict[str, float]:
+    """Best-of-`repeats` GFLOP/s of a size^3 matmul in each of `dtypes`, and GB/s of a large tensor copy
     (read + write), with torch's current threads."""
     def best(fn: Callable[[], object]) -> float:
         return min(call_times(fn, repeats))
 
     result = {}
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+    for name in dtypes:
+        dtype = getattr(torch, name)
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
         result[f"{name}_gflops"] = round(2 * size ** 3 / best(lambda a=a, b=b: a @ b) / 1e9, 1)
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     result["copy_gbps"] = round(2 * copy_bytes / best(lambda: dst.copy_(src)) / 1e9, 1)
     return result
+
+
+def measure_peak(dtype_name: str) -> dict[str, float]:
+    return measure_machine(dtypes=(dtype_name,))
+
+
+def local_machine(dtype_name: str, refresh: bool = False, measure: Measure | None = None) -> Machine:
+    """This machine's peak matmul rate in `dtype_name` and copy bandwidth: cached for its CPU model, ISA flags,
+    threads and torch, else measured here (about a second in fp32) and cached unless other processes took a quarter
+    of a core or more meanwhile (dispatch's rule for its kernel table: such a figure is a time slice's, not the
+    machine's)."""
+    key = {**dispatch.machine_key(), "measure": "roofline", "dtype": dtype_name}
+    file = dispatch.cache_file(key, MACHINE_CACHE)
+    cached = None if refresh else dispatch.load_json(file, key)
+    if cached is not None and isinstance(cached.get("measured"), dict):
+        measured, source = cached["measured"], f"measured here earlier, cached at {file}"
+        return Machine(measured[f"{dtype_name}_gflops"], measured["copy_gbps"], measured, source)
+    start = dispatch.cpu_sample()
+    measured = (measure or measure_peak)(dtype_name)
+    load, others = dispatch.machine_load(), round(dispatch.others_since(start), 2)
+    if dispatch.quiet(load, others):
+        dispatch.save_json(file, {"key": key, "measured": measured, "others_cpu": others})
+        source = f"measured here, cached at {file}"
+    else:
+        source = f"measured here while other processes used {others:.2f} CPUs, not cached"
+    return Machine(measured[f"{dtype_name}_gflops"], measured["copy_gbps"], measured, source)
 
 
 def layer_params(config: Any) -> int:
@@ -99,6 +133,7 @@ def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, in
     kv_s = kv_read / (machine.mem_gbps * 1e9)
     steps_s = max((o for _, o in requests), default=0) * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
     bound_s = max(compute_s + kv_s, steps_s)
-    return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "compute_s": round(compute_s, 2),
+    return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "source": machine.source,
+            "compute_s": round(compute_s, 2),
             "kv_read_s": round(kv_s, 2), "longest_output_steps_s": round(steps_s, 2), "bound_s": round(bound_s, 2),
             "output_tokens_per_s": round(output / bound_s, 1) if bound_s else None}

@@ -74,12 +74,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
-    """bench_latency.workload_bound at this dtype's measured matmul peak and 20 GB/s."""
+    """roofline.workload_bound at this machine's peak matmul rate in the dtype and its copy bandwidth (measured here
+    once, then cached); measured after the timed run, so it is not part of it."""
     import torch
 
-    from pagedllm.bench.roofline import PEAK_GFLOPS, Machine, workload_bound
+    from pagedllm.bench.roofline import local_machine, workload_bound
 
-    machine = Machine(PEAK_GFLOPS[config.torch_dtype_name], 20.0)
+    machine = local_machine(config.torch_dtype_name)
     pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
     return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
                           int4=engine.num_int4_matmuls > 0)
@@ -114,7 +115,8 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
           f"{out['p90']}")
     bound = result.get("machine_bound")
     if bound:
-        print(f"Machine-limit estimate ({bound['peak_gflops']:.0f} GFLOP/s matmul, {bound['mem_gbps']:.0f} GB/s): "
+        print(f"Machine-limit estimate ({bound['peak_gflops']:.0f} GFLOP/s matmul, {bound['mem_gbps']:.0f} GB/s copy; "
+              f"{bound['source']}): "
               f"{bound['output_tokens_per_s']} output tokens/s (compute {bound['compute_s']} s + KV reads "
               f"{bound['kv_read_s']} s; longest output's steps {bound['longest_output_steps_s']} s); this run: "
               f"{result['output_tokens_per_s'] / bound['output_tokens_per_s']:.0%}")

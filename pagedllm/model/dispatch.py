@@ -136,9 +136,9 @@ def primitive_cache_capacity(unpadded: int, dtype: torch.dtype, model_name: str,
     them, else `unpadded`. At a first start nothing is decided yet: today's cache, and the decision from the next."""
     on = pad_override()
     if on is None:
-        wanted = machine_key(dtype, model_name, variant)
-        table = load(cache_file(wanted))
-        on = table is not None and table.bounded_shapes and prebuild_part(table.key) == wanted
+        wanted = prebuild_key(dtype, model_name, variant)
+        table = load(cache_file(wanted), wanted)
+        on = table is not None and table.bounded_shapes
     return PADDED_CACHE_CAPACITY if on else unpadded
 
 
@@ -164,33 +164,39 @@ def cpu_identity() -> tuple[str, str]:
     return name, flags
 
 
-def machine_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, str]:
-    """The part of a table's key known before the model is built: CPU model, ISA flags, threads, torch, the kernels'
-    version, the model, its dtype and `variant` (the engine flags that choose its weights' forms)."""
+def machine_key() -> dict[str, str]:
+    """What any measurement here holds for: CPU model, ISA flags, threads and torch (bench/roofline.py keys its peak
+    matmul rate by it too)."""
     cpu, flags = cpu_identity()
     return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
-            "torch": torch.__version__, "kernels": KERNELS_VERSION, "model": model_name,
+            "torch": torch.__version__}
+
+
+def prebuild_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, str]:
+    """The part of a table's key known before the model is built: the machine, the kernels' version, the model, its
+    dtype and `variant` (the engine flags that choose its weights' forms)."""
+    return {**machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
             "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(BUCKETS)}
 
 
 def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str,
               variant: str = "") -> dict[str, str]:
-    """What a table holds for: machine_key and each kind's shape and forms."""
+    """What a table holds for: prebuild_key and each kind's shape and forms."""
     shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
               for kind, ws in weights.items()}
-    return {**machine_key(dtype, model_name, variant), "shapes": json.dumps(shapes, sort_keys=True)}
+    return {**prebuild_key(dtype, model_name, variant), "shapes": json.dumps(shapes, sort_keys=True)}
 
 
 def prebuild_part(key: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in key.items() if k != "shapes"}
 
 
-def cache_file(key: dict[str, str]) -> Path:
+def cache_file(key: dict[str, str], prefix: str = "kernels") -> Path:
     """Named by the key's part known before the build, so the engine finds the bounded-shapes decision in time to
     size oneDNN's cache (primitive_cache_capacity)."""
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
     digest = hashlib.sha256(json.dumps(prebuild_part(key), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"kernels-{digest}.json"
+    return Path(root) / f"{prefix}-{digest}.json"
 
 
 def machine_load() -> float:
@@ -214,8 +220,12 @@ def others_since(start: CpuSample | None) -> float:
 
 
 def cacheable(table: KernelTable) -> bool:
+    return quiet(table.load, table.others_cpu)
+
+
+def quiet(load: float, others: float) -> bool:
     """Measured with no other process holding TAKEN_CORE of a core (the governor's threshold) or more."""
-    return table.load <= (os.cpu_count() or 1) and table.others_cpu < TAKEN_CORE
+    return load <= (os.cpu_count() or 1) and others < TAKEN_CORE
 
 
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
@@ -357,22 +367,41 @@ def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
                 w.route = ((BIGGEST, path),)
 
 
-def load(path: Path) -> KernelTable | None:
+def load(path: Path, key: dict[str, str]) -> KernelTable | None:
+    """The table cached at `path` if it was measured for `key` (or, a key without "shapes": for its part known before
+    the build)."""
+    data = load_json(path, key, ignore=() if "shapes" in key else ("shapes",))
     try:
-        return KernelTable(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return None if data is None else KernelTable(**data)
+    except TypeError:
         return None
 
 
 def save(path: Path, table: KernelTable) -> None:
+    save_json(path, asdict(table))
+
+
+def load_json(path: Path, key: dict[str, str], ignore: tuple[str, ...] = ()) -> dict | None:
+    """A cached measurement, if its file is there, readable and measured for `key` (its "key" field, but for the
+    fields in `ignore`)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
+        return None
+    return data if {k: v for k, v in data["key"].items() if k not in ignore} == key else None
+
+
+def save_json(path: Path, data: dict) -> None:
     """Written whole or not at all (another process may be reading or writing it too)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(table), indent=1))
+        tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
     except OSError as e:
-        logger.warning("could not cache the kernel table at %s: %s", path, e)
+        logger.warning("could not cache a measurement at %s: %s", path, e)
 
 
 def set_padding(weights: dict[str, list[PackedWeight]], padded: bool) -> None:
@@ -398,8 +427,7 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         return None
     key = table_key(weights, dtype, model_name, variant)
     file = cache_file(key)
-    table = None if refresh else load(file)
-    table = table if table is not None and table.key == key else None
+    table = None if refresh else load(file, key)
     how = f"read from {file}"
     if table is None:
         start = cpu_sample()

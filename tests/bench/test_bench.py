@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import FAKE_COPY_GBPS, FAKE_GFLOPS
 
 from pagedllm.entrypoints.cli import main
+
+pytestmark = pytest.mark.usefixtures("fake_machine")  # the throughput runs' machine-limit estimates
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +62,18 @@ def test_shared_prefix_runs_with_the_cache_on_and_off(sharing_result):
         assert row["speedup"] > 0
 
 
-def test_throughput_runs(tiny_model_dir, tmp_path):
+def test_throughput_runs(tiny_model_dir, tmp_path, capsys):
+    """...and its machine-limit estimate takes this machine's speeds (conftest's fake measurement), saying so."""
     path = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--model", tiny_model_dir, "--dtype", "float32", "--num-blocks", "256",
                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--output-json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["num_prompts"] == 4 and result["output_tokens"] == 16 and result["num_preemptions"] == 0
     assert 0 <= result["spec_accepted_tokens"] <= result["spec_draft_tokens"]
+    bound = result["machine_bound"]
+    assert (bound["peak_gflops"], bound["mem_gbps"]) == (FAKE_GFLOPS, FAKE_COPY_GBPS)
+    assert bound["source"].startswith("measured here")
+    assert f"Machine-limit estimate (100 GFLOP/s matmul, 10 GB/s copy; {bound['source']})" in capsys.readouterr().out
 
 
 def run_throughput(tiny_model_dir, tmp_path, *flags: str) -> dict:

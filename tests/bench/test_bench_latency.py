@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import FAKE_GFLOPS, faked_machine
 
 from pagedllm.bench.latency import plan_case
 from pagedllm.bench.roofline import Machine, decode_bound
@@ -24,14 +25,16 @@ from pagedllm.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def latency_result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("latency")
-    assert main(["bench", "latency", "--quick", "--model", tiny_model_dir, "--dtype", "float32",
-                 "--output-json", str(out / "latency.json"), "--plot", str(out / "latency.png")]) == 0
+    with faked_machine(out):
+        assert main(["bench", "latency", "--quick", "--model", tiny_model_dir, "--dtype", "float32",
+                     "--output-json", str(out / "latency.json"), "--plot", str(out / "latency.png")]) == 0
     assert (out / "latency.png").stat().st_size > 0
     return json.loads((out / "latency.json").read_text())
 
 
 def test_latency_json_has_a_row_per_batch_and_context(latency_result):
     r = latency_result
+    assert r["machine"]["peak_gflops"] == FAKE_GFLOPS and r["machine"]["source"].startswith("measured here")
     assert {"model", "dtype", "threads", "machine", "steps", "loadavg_before", "loadavg_after", "skipped"} <= r.keys()
     assert r["steps"] == 3 and not r["skipped"]
     assert [(row["batch"], row["ctx"]) for row in r["rows"]] == [(1, 32), (1, 64), (8, 32), (8, 64)]

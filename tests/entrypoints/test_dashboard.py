@@ -298,6 +298,7 @@ def test_a_trace_replays_to_the_engines_state(engine: LLMEngine, tmp_path: Path)
         read_trace(__file__)
 
 
+@pytest.mark.usefixtures("fake_machine")  # its machine-limit estimate: no measuring in a test
 def test_bench_throughput_trace_then_replay_in_the_browser(tiny_model_dir: str, tmp_path: Path, browser) -> None:
     path = str(tmp_path / "bench.jsonl")
     assert main(["bench", "throughput", "--model", tiny_model_dir, "--dtype", "float32", "--num-blocks", "40",

@@ -107,10 +107,11 @@ def random_q4(rows: int, cols: int, q4_0: bool, seed: int) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("q4_0", [True, False])
-@pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 576), (128, 160)])
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 576), (128, 160), (576, 64)])
 def test_fp32_int4_kernel_equals_float64(q4_0, n, k):
-    """Every row count through both schedules (register rows up to 8, blocks of 6 beyond, rows split between threads
-    from 32): within fp32 summation error of float64 on the same weights, and each row alone as in the batch."""
+    """Every row count through both schedules (register rows up to 8, blocks of 6 beyond, an odd number of tiles run
+    partly as halves): within fp32 summation error of float64 on the same weights, and each row alone as in the
+    batch."""
     ext = f32_kernel()
     q, scale, min_ = random_q4(n, k, q4_0, n + k)
     w = (q.double().view(n, k // 32, 32) * scale.double()[..., None] + min_.double()[..., None]).view(n, k)

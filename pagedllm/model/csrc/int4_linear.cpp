@@ -21,9 +21,11 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_args.h"
+
 namespace {
 
-constexpr int64_t kTile = 16, kGroup = 32, kRowsPerBlock = 4;
+constexpr int64_t kTile = 16, kGroup = int4_args::kGroup, kRowsPerBlock = 4;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 constexpr bool kSupported = true;
@@ -116,17 +118,9 @@ bool int4_linear_supported() { return kSupported; }
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins) {
   TORCH_CHECK(kSupported, "int4_linear needs AVX512-BF16 (this build has no such instructions)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous bfloat16 matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(2) == 8 && packed.size(3) == 32,
-              "packed must be contiguous uint8 [N/16, K/32, 8, 32]");
-  const int64_t T = packed.size(0), G = packed.size(1), M = x.size(0), K = x.size(1), N = T * kTile;
-  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  for (const at::Tensor* s : {&scales, &mins})
-    TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == T &&
-                    s->size(1) == G && s->size(2) == kTile,
-                "scales and mins must be contiguous float16 [N/16, K/32, 16]");
+  const int4_args::Dims dims = int4_args::check(x, at::kBFloat16, "bfloat16", packed, {8, 32},
+                                                "[N/16, K/32, 8, 32]", scales, mins, kTile);
+  const int64_t T = dims.T, G = dims.G, M = dims.M, K = dims.K, N = dims.N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)

@@ -12,7 +12,7 @@
 //     registers over all of K, each k's weights dequantized in registers and used for every row;
 //   - more rows (bound by FMAs): a tile's whole panel (K inputs x 64 outputs) is dequantized once per call into a
 //     per-thread buffer the L2 holds, then blocks of 6 rows run 6 x 4 zmm accumulators (24 FMAs per k) over all
-//     of K; tiles that do not share evenly between the threads are split by rows too.
+//     of K; the threads share half tiles, so a tile that does not share evenly runs as two halves (6 x 2).
 //
 // Layout (Int4Weight packs it): output columns in tiles of 64, each two halves of 32; inputs in groups of 32:
 //   packed [N/64, K/32, 2, 32, 16] uint8: byte b of [t, g, h, k] = q[64t + 32h + b, 32g + k]
@@ -27,9 +27,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "int4_args.h"
+
 namespace {
 
-constexpr int64_t kTile = 64, kHalf = 32, kGroup = 32, kNarrowRows = 8, kBlockRows = 6;
+constexpr int64_t kTile = 64, kHalf = 32, kGroup = int4_args::kGroup, kNarrowRows = 8, kBlockRows = 6;
 constexpr int64_t kHalfBytes = kGroup * 16;  // one half tile's nibbles for one group
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -82,10 +84,12 @@ void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, 
   }
 }
 
-// A tile's weights as fp32 [K][64 columns] in `w` (the panel stays in L2 while every block of rows reads it).
-void dequantize_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t G, float* w) {
+// Halves [h0, h1) of a tile's weights as fp32 [K][64 columns] in `w` (the panel stays in L2 while every block of
+// rows reads it).
+void dequantize_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t G, int64_t h0,
+                     int64_t h1, float* w) {
   for (int64_t g = 0; g < G; ++g)
-    for (int h = 0; h < 2; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       const HalfGroup hg(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf);
       const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
       float* wg = w + g * kGroup * kTile + h * kHalf;
@@ -99,47 +103,49 @@ void dequantize_tile(const uint8_t* packed, const at::Half* sc, const at::Half* 
     }
 }
 
-// R rows (R <= kBlockRows) x one tile: out[r, 0:64] = x[r] @ w, accumulators in registers over all of K.
-template <int R>
+// R rows (R <= kBlockRows) x C vectors of 16 columns of a panel (4: a tile, 2: a half): out[r, 0:16C] = x[r] @ w,
+// accumulators in registers over all of K.
+template <int R, int C>
 void wide_rows(const float* w, const float* x, int64_t K, float* out, int64_t N) {
-  __m512 acc[R][4];
+  __m512 acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wk[4];
+    __m512 wk[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) wk[c] = _mm512_load_ps(w + k * kTile + 16 * c);
+    for (int c = 0; c < C; ++c) wk[c] = _mm512_load_ps(w + k * kTile + 16 * c);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * K + k]);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wk[c], acc[r][c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wk[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * N + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + 16 * c, acc[r][c]);
 }
 
 using WideRows = void (*)(const float*, const float*, int64_t, float*, int64_t);
-constexpr WideRows kWideRows[kBlockRows + 1] = {nullptr, wide_rows<1>, wide_rows<2>, wide_rows<3>, wide_rows<4>,
-                                                wide_rows<5>, wide_rows<6>};
+constexpr WideRows kWideRows[2][kBlockRows + 1] = {  // [halves - 1][rows]
+    {nullptr, wide_rows<1, 2>, wide_rows<2, 2>, wide_rows<3, 2>, wide_rows<4, 2>, wide_rows<5, 2>, wide_rows<6, 2>},
+    {nullptr, wide_rows<1, 4>, wide_rows<2, 4>, wide_rows<3, 4>, wide_rows<4, 4>, wide_rows<5, 4>, wide_rows<6, 4>}};
 using NarrowHalf = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, const float*, int64_t,
                             int64_t, float*, int64_t);
 constexpr NarrowHalf kNarrowHalf[kNarrowRows + 1] = {nullptr, narrow_half<1>, narrow_half<2>, narrow_half<3>,
                                                      narrow_half<4>, narrow_half<5>, narrow_half<6>, narrow_half<7>,
                                                      narrow_half<8>};
 
-// Rows [r0, r1) of x against tile t (64 columns), through its dequantized panel `w`.
+// All M rows of x against halves [h0, h1) of a tile (`out` at its first column), through its dequantized panel.
 void wide_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, const float* x, int64_t K, int64_t G,
-               int64_t r0, int64_t r1, float* out, int64_t N, float* w) {
-  dequantize_tile(packed, sc, mn, G, w);
-  for (int64_t r = r0; r < r1; r += kBlockRows)
-    kWideRows[std::min(kBlockRows, r1 - r)](w, x + r * K, K, out + r * N, N);
+               int64_t h0, int64_t h1, int64_t M, float* out, int64_t N, float* w) {
+  dequantize_tile(packed, sc, mn, G, h0, h1, w);
+  for (int64_t r = 0; r < M; r += kBlockRows)
+    kWideRows[h1 - h0 - 1][std::min(kBlockRows, M - r)](w + h0 * kHalf, x + r * K, K, out + r * N + h0 * kHalf, N);
 }
 #else
 constexpr bool kSupported = false;
@@ -152,17 +158,9 @@ bool int4_linear_f32_supported() { return kSupported; }
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins) {
   TORCH_CHECK(kSupported, "int4_linear_f32 needs AVX-512F and F16C (this build has no such instructions)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be a contiguous float32 matrix");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(2) == 2 && packed.size(3) == kGroup && packed.size(4) == 16,
-              "packed must be contiguous uint8 [N/64, K/32, 2, 32, 16]");
-  const int64_t T = packed.size(0), G = packed.size(1), M = x.size(0), K = x.size(1), N = T * kTile;
-  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  for (const at::Tensor* s : {&scales, &mins})
-    TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == T &&
-                    s->size(1) == G && s->size(2) == kTile,
-                "scales and mins must be contiguous float16 [N/64, K/32, 64]");
+  const int4_args::Dims dims = int4_args::check(x, at::kFloat, "float32", packed, {2, kGroup, 16},
+                                                "[N/64, K/32, 2, 32, 16]", scales, mins, kTile);
+  const int64_t T = dims.T, G = dims.G, M = dims.M, K = dims.K, N = dims.N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -181,20 +179,19 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
     });
     return out;
   }
-  // Tiles that do not share evenly between the threads (9 of them at 576 columns) are split by rows too, once
-  // there are enough rows that dequantizing a tile twice costs little.
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunks = (T % threads != 0 && M >= 32) ? threads : 1;
-  const int64_t chunk_rows = (M + chunks - 1) / chunks;
-  at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
+  // The threads share half tiles, each running its share as whole tiles but for a lone half at either end: 9 tiles
+  // (576 columns) give each of 2 threads 4.5, not 5 and 4 (splitting the odd tile by rows instead dequantized it
+  // twice: 9-16% slower at 32-96 rows).
+  at::parallel_for(0, 2 * T, 1, [&](int64_t i0, int64_t i1) {
     // kept per thread: a fresh 147-393 KB buffer per call could come from mmap, and fault its pages in every time
     thread_local std::vector<float> panel;
     if (panel.size() < static_cast<size_t>(K * kTile + 16)) panel.resize(K * kTile + 16);
     float* w = panel.data() + (16 - reinterpret_cast<uintptr_t>(panel.data()) / 4 % 16) % 16;  // 64-byte aligned
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / chunks, r0 = (i % chunks) * chunk_rows, r1 = std::min(M, r0 + chunk_rows);
-      if (r0 < r1) wide_tile(pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, xp, K, G, r0, r1,
-                             op + t * kTile, N, w);
+    for (int64_t i = i0; i < i1;) {
+      const int64_t t = i / 2, h0 = i % 2, h1 = std::min<int64_t>(2, h0 + i1 - i);  // halves [h0, h1) of tile t
+      wide_tile(pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, xp, K, G, h0, h1, M, op + t * kTile, N,
+                w);
+      i += h1 - h0;
     }
   });
 #endif
