@@ -217,7 +217,6 @@ def peft_reference_model(base_dir: str, adapter_dir: str):
     return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
 
 
-
 FAKE_GFLOPS, FAKE_COPY_GBPS = 100.0, 10.0  # fake_machine's speeds
 
 

@@ -288,7 +288,10 @@ class FairScheduler(DisplacingScheduler):
         over = {c for c in clients if seats[c] + self.vtc.num_waiting(c) > share(c)}
         if present - over:
             return over
-        return {c for c in clients if seats[c] + self.vtc.num_waiting(c) > 1} if starting else set()
+        if not starting:
+            return set()
+        requests = Counter(g.client for g in self.running)  # requests, not sequences: one n=2 turn is still alone
+        return {c for c in clients if requests[c] + len(self.vtc.queues.get(c, ())) > 1}
 
     def _recently_served(self) -> set[str | None]:
         """The clients served within the last PACE_WINDOW_STEPS steps (a light client thinking between requests)."""

@@ -318,7 +318,7 @@ def test_a_client_over_its_share_prompts_in_short_chunks_while_others_are_about(
 def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alone_for_the_window(monkeypatch):
     """fair: a server that was idle cannot know who comes next: for PACE_WINDOW_STEPS steps a client with more than one
     request computes at most PACED_PROMPT_TOKENS prompt tokens a step (a light request arriving with its first step
-    waits for a short step), then whole prompts again; a lone request (a chat turn) is never chunked."""
+    waits for a short step), then whole prompts again; a lone request (a chat turn, even with n=2) is never chunked."""
     monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
     monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
     sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
@@ -340,6 +340,11 @@ def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alo
         sim.step()
     assert len(sim.finished) == 13
     sim.add(request("chat", 40, 2, client="chat", arrival=90, first=500))  # the server idle again
+    sim.step()
+    assert prompt_tokens(plans[-1], "chat") == 40
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("chat", 40, 2, n=2, client="chat", arrival=0, first=500))  # a fresh server, 2 samples: one request
     sim.step()
     assert prompt_tokens(plans[-1], "chat") == 40
 
