@@ -167,7 +167,8 @@ class EngineConfig:
     quantization: str = "auto"
     # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
     # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
-    # docs/performance-log.md); auto: the model's dtype
+    # docs/performance-log.md); auto: the model's dtype, and bfloat16 when `dtype` is auto (where that is float32,
+    # the cache still halves its bytes; docs/performance.md)
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
@@ -238,10 +239,12 @@ class EngineConfig:
 
     @property
     def kv_cache_torch_dtype_name(self) -> str:
-        """The KV cache tensors' torch dtype: uint8 holds the int8 records."""
-        if self.kv_cache_dtype == "auto":
-            return self.torch_dtype_name
-        return "uint8" if self.kv_cache_dtype == "int8" else self.kv_cache_dtype
+        """The KV cache tensors' torch dtype: uint8 holds the int8 records. With `dtype` auto on a CPU without fast
+        bf16 arithmetic the model runs fp32 but the cache holds bf16: decode attention reads half the bytes, and only
+        the keys and values are rounded (`--dtype float32` keeps an fp32 cache, and fp32's exact output)."""
+        if self.kv_cache_dtype != "auto":
+            return "uint8" if self.kv_cache_dtype == "int8" else self.kv_cache_dtype
+        return "bfloat16" if self.dtype == "auto" else self.torch_dtype_name
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -284,7 +287,8 @@ class EngineConfig:
                             "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
         g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
-                            "bf16's bytes (1.6x the tokens in the same memory); auto: the model's dtype")
+                            "bf16's bytes (1.6x the tokens in the same memory); auto: bfloat16, or float32 with "
+                            "--dtype float32")
         g.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"].default,
                        help="speculative decoding by prompt lookup: tokens proposed per greedy decode from an earlier "
                             "occurrence of its last 1-3 tokens, verified in the same step (0: off)")

@@ -24,7 +24,9 @@ GATE_ERROR_RATIO = 1.25
 DEFAULT_VARIANTS = {"bf16": dict(dtype="bfloat16", quantization="none"),
                     "bf16 + int4 small steps": dict(dtype="bfloat16", quantization="int4"),
                     "default (auto)": dict(dtype="bfloat16", quantization="auto"),
-                    "default + int8 KV cache": dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8")}
+                    "default + int8 KV cache": dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8"),
+                    # what `dtype` auto runs on a CPU without fast bf16: fp32 arithmetic over a bf16 KV cache
+                    "fp32 + bf16 KV cache": dict(dtype="float32", quantization="auto", kv_cache_dtype="bfloat16")}
 
 
 @dataclass

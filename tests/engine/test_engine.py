@@ -152,6 +152,28 @@ def test_int8_kv_cache_holds_more_tokens_and_changes_the_numbers(tiny_model_dir)
     assert max(abs(a - b) for a, b in zip(lp["int8"], lp["bfloat16"])) < 0.1
 
 
+def test_auto_dtype_keeps_a_bf16_cache_and_explicit_fp32_an_fp32_one(tiny_model_dir):
+    """`dtype` auto caches K and V in bf16 even where the model runs fp32 (half the bytes decode attention reads);
+    `--dtype float32` keeps the fp32 cache, so its output stays fp32's, and an explicit cache dtype wins."""
+    assert EngineConfig(dtype="auto").kv_cache_torch_dtype_name == "bfloat16"
+    assert EngineConfig(dtype="float32").kv_cache_torch_dtype_name == "float32"
+    assert EngineConfig(dtype="float32", kv_cache_dtype="bfloat16").kv_cache_torch_dtype_name == "bfloat16"
+    assert EngineConfig(dtype="auto", kv_cache_dtype="float32").kv_cache_torch_dtype_name == "float32"
+    assert EngineConfig(dtype="auto", kv_cache_dtype="int8").kv_cache_torch_dtype_name == "uint8"
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = {}
+    for kv in ("float32", "bfloat16"):
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_dtype=kv, kv_cache_memory="64MiB")
+        assert llm.engine.runner.kv_dtype == getattr(torch, kv)
+        runs[kv] = (llm.engine.runner.num_blocks, llm.generate(prompts, params, use_tqdm=False))
+    assert runs["bfloat16"][0] == 2 * runs["float32"][0]  # the same memory holds twice the tokens
+    lp = {kv: [o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in outs]
+          for kv, (_, outs) in runs.items()}
+    assert lp["bfloat16"] != lp["float32"]  # the bf16 cache is really read
+    assert max(abs(a - b) for a, b in zip(lp["bfloat16"], lp["float32"])) < 0.05
+
+
 def test_qwen2_with_attention_bias_matches_transformers(tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
