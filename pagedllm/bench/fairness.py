@@ -41,6 +41,7 @@ VOCAB_RANGE = (1000, 40000)  # prompt token ids: ordinary tokens of the default 
 @dataclass
 class Workload:
     heavy_requests: int = 32
+    heavy_concurrency: int = 0  # the heavy client's requests in flight at most (0: all at once)
     heavy_input_len: int = 256
     heavy_output_len: int = 64
     light_clients: int = 3
@@ -88,6 +89,20 @@ async def light_client(http: aiohttp.ClientSession, model: str, w: Workload, ind
             return
 
 
+async def heavy_client(http: aiohttp.ClientSession, model: str, w: Workload, rng: random.Random, t0: float,
+                       log: list[Sent]) -> None:
+    """The heavy batch: every request at once, or at most `heavy_concurrency` in flight (a job sending long prompts
+    one at a time holds a single seat, within its share, yet each prompt is a lot of work)."""
+    slots = asyncio.Semaphore(w.heavy_concurrency or w.heavy_requests)
+
+    async def one(body: dict[str, Any]) -> None:
+        async with slots:
+            await send(http, body, "heavy", t0, log)
+
+    bodies = [payload(model, rng, w.heavy_input_len, w.heavy_output_len, "heavy", 1) for _ in range(w.heavy_requests)]
+    await asyncio.gather(*map(one, bodies))
+
+
 async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, duration_s: float | None) -> dict:
     """The light clients (and, with `heavy`, the heavy client's whole batch at t = 0) until the heavy batch is done,
     or for `duration_s`. Returns what each request saw and the wall time."""
@@ -100,8 +115,7 @@ async def run_clients(base_url: str, model: str, w: Workload, heavy: bool, durat
         lights = [asyncio.create_task(light_client(http, model, w, i, t0, stop, log, idle=not heavy))
                   for i in range(w.light_clients)]
         if heavy:
-            await asyncio.gather(*(send(http, payload(model, rng, w.heavy_input_len, w.heavy_output_len, "heavy", 1),
-                                        "heavy", t0, log) for _ in range(w.heavy_requests)))
+            await heavy_client(http, model, w, rng, t0, log)
         else:
             await asyncio.sleep(duration_s or w.idle_s)
         stop.set()
@@ -209,8 +223,9 @@ def cmd_fairness(args: argparse.Namespace, actions: Sequence[argparse.Action]) -
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in SCHEDULING_POLICIES for p in policies):
         raise ValueError(f"--policies must name some of {', '.join(SCHEDULING_POLICIES)}, got {args.policies!r}")
-    w = Workload(args.heavy_requests, args.heavy_input_len, args.heavy_output_len, args.light_clients,
-                 args.light_input_len, args.light_output_len, args.think_time, args.idle_seconds, args.seed)
+    w = Workload(args.heavy_requests, args.heavy_concurrency, args.heavy_input_len, args.heavy_output_len,
+                 args.light_clients, args.light_input_len, args.light_output_len, args.think_time, args.idle_seconds,
+                 args.seed)
     argv = passthrough_argv(args, [a for a in actions if a.dest != "scheduling_policy"]) + SERVER_FLAGS
     log_dir = args.server_log_dir or tempfile.mkdtemp(prefix="pagedllm-fairness-")
     os.makedirs(log_dir, exist_ok=True)
@@ -238,7 +253,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="fcfs,priority,fair", help="comma-separated scheduling policies")
     d = Workload()
     g = p.add_argument_group("workload")
-    g.add_argument("--heavy-requests", type=int, default=d.heavy_requests, help="sent all at once by the heavy client")
+    g.add_argument("--heavy-requests", type=int, default=d.heavy_requests,
+                   help="sent by the heavy client, all at once unless --heavy-concurrency")
+    g.add_argument("--heavy-concurrency", type=int, default=d.heavy_concurrency,
+                   help="the heavy client's requests in flight at most (0: all at once)")
     g.add_argument("--heavy-input-len", type=int, default=d.heavy_input_len)
     g.add_argument("--heavy-output-len", type=int, default=d.heavy_output_len)
     g.add_argument("--light-clients", type=int, default=d.light_clients)

@@ -21,7 +21,9 @@ DISPLACEMENT_FLOOR = 2
 # Under fair, while a client within its share runs or was served within the last PACE_WINDOW_STEPS steps, a client
 # over its share computes at most PACED_PROMPT_TOKENS prompt tokens a step: a light request arriving meanwhile waits for
 # at most such a step (docs/fairness.md, runs 10-12). So does a client with more than one request in the first
-# PACE_WINDOW_STEPS steps after the server was idle: nobody knows yet who comes next.
+# PACE_WINDOW_STEPS steps after the server was idle (nobody knows yet who comes next), and, while another client is
+# about, a client served more than PACED_PROMPT_TOKENS ahead of the least-served one (its long prompts, sent one at a
+# time within its share of the seats, would otherwise fill whole steps).
 PACED_PROMPT_TOKENS = 64
 PACE_WINDOW_STEPS = 256
 
@@ -279,19 +281,32 @@ class FairScheduler(DisplacingScheduler):
         theirs: each computes at most PACED_PROMPT_TOKENS prompt tokens a step, so that no step computes a batch of
         their prompts at once (a light request arriving meanwhile would wait for all of it). In the first
         PACE_WINDOW_STEPS steps after the server was idle, every client with more than one request is paced: a light
-        request may arrive with the first step of a batch. A client alone for the window is not paced."""
+        request may arrive with the first step of a batch. A client alone for the window is not paced. Whatever its
+        seats, a client served well ahead of the least-served client about is paced too (`_served_ahead`)."""
         seats, recent = self._seats(), self._recently_served()
         present, starting = seats.keys() | recent, self._steps - self._idle_step < PACE_WINDOW_STEPS
         if len(present) < 2 and not self.vtc.queues.keys() - seats.keys() and not starting:
             return set()
         share, clients = self._shares(seats, next(iter(seats), None)), present | self.vtc.queues.keys()
         over = {c for c in clients if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        ahead = self._served_ahead(clients, clients - over)
         if present - over:
-            return over
+            return over | ahead
         if not starting:
-            return set()
+            return ahead
         requests = Counter(g.client for g in self.running)  # requests, not sequences: one n=2 turn is still alone
-        return {c for c in clients if requests[c] + len(self.vtc.queues.get(c, ())) > 1}
+        return ahead | {c for c in clients if requests[c] + len(self.vtc.queues.get(c, ())) > 1}
+
+    def _served_ahead(self, clients: set[str | None], within: set[str | None]) -> set[str | None]:
+        """The clients whose counter is more than PACED_PROMPT_TOKENS prompt tokens above the least-served one's among
+        those within their share of the seats: a client with long prompts sent one at a time holds a single seat, yet
+        each prompt would fill whole steps while the others' requests wait for them. The least served is never paced
+        (a lone chat turn stays whole), nor anyone when every client wants more than its share (throughput first)."""
+        if len(clients) < 2 or not within:
+            return set()
+        counter = self.vtc.counter
+        floor = min(map(counter, within)) + INPUT_WEIGHT * PACED_PROMPT_TOKENS
+        return {c for c in clients if counter(c) > floor}
 
     def _recently_served(self) -> set[str | None]:
         """The clients served within the last PACE_WINDOW_STEPS steps (a light client thinking between requests)."""

@@ -45,6 +45,25 @@ def test_the_idle_run_sends_the_light_clients_other_prompts_than_the_contended_r
     assert prompts[0] != prompts[1] and prompts[0] == prompts[2]
 
 
+def test_the_heavy_client_keeps_at_most_its_concurrency_in_flight(monkeypatch):
+    """--heavy-concurrency 2: never more than two heavy requests in flight, all of them sent; 0 sends all at once."""
+    in_flight, peak, sent = 0, 0, []
+
+    async def record(http, body, client, t0, log):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        sent.append(body["prompt"])
+        in_flight -= 1
+    monkeypatch.setattr(fairness, "send", record)
+    for concurrency, most in ((2, 2), (0, 5)):
+        peak, sent[:] = 0, []
+        w = Workload(heavy_requests=5, heavy_concurrency=concurrency, heavy_input_len=3)
+        asyncio.run(fairness.heavy_client(None, "m", w, fairness.random.Random(0), 0.0, []))
+        assert peak == most and len(sent) == 5 and all(len(p) == 3 for p in sent)
+
+
 def test_bench_fairness_runs_every_policy(tiny_model_dir, tmp_path):
     out = tmp_path / "fairness.json"
     assert main(["bench", "fairness", "--model", tiny_model_dir, "--dtype", "float32", "--threads", "1",

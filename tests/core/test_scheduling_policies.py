@@ -349,6 +349,37 @@ def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alo
     assert prompt_tokens(plans[-1], "chat") == 40
 
 
+def test_a_client_served_far_ahead_prompts_in_short_chunks_even_within_its_seats(monkeypatch):
+    """fair: a client sending long prompts one at a time holds one seat, within its share; once it has been served
+    more than PACED_PROMPT_TOKENS ahead of a light client that is about, its prompt is computed PACED_PROMPT_TOKENS a
+    step (a light request arriving meanwhile waits for a short step, not a whole prompt's); the light client, least
+    served, computes its longer prompt whole; alone for the window, the heavy prompts go in whole again."""
+    monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
+    monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("light-a", 8, 2, client="light", arrival=0, first=200))
+    while sim.sched.has_unfinished():
+        sim.step()
+    sim.add(request("doc0", 40, 2, client="heavy", arrival=10, first=300))
+    sim.step()
+    assert prompt_tokens(plans[-1], "doc0") == 40  # served less than the light client so far: whole
+    while sim.sched.has_unfinished():
+        sim.step()
+    sim.add(request("doc1", 160, 2, client="heavy", arrival=20, first=400))
+    sim.step()
+    assert prompt_tokens(plans[-1], "doc1") == 8  # now 40 ahead of the light client, which was served 3 steps ago
+    sim.add(request("light-b", 20, 2, client="light", arrival=21, first=500))
+    sim.step()
+    assert prompt_tokens(plans[-1], "light-b") == 20 and prompt_tokens(plans[-1], "doc1") <= 8
+    while prompt_tokens(plans[-1], "doc1") <= 8 and "doc1" not in sim.finished:
+        sim.step()
+    assert prompt_tokens(plans[-1], "doc1") > 8  # the light client gone for the window: the rest of it whole
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sorted(sim.finished) == ["doc0", "doc1", "light-a", "light-b"]
+
+
 def test_a_pick_that_does_not_get_in_leaves_no_step_empty():
     """fair: a light request with a free seat holds the heavy prompt back, but its first chunk needs more blocks than
     are free: the step runs the heavy chunk after all (never an empty step), and the light request is not held for
