@@ -240,8 +240,9 @@ class FairScheduler(DisplacingScheduler):
 
     def _clients_to_hold(self) -> set[str | None]:
         """If the queue's pick is of a client whose running and waiting sequences all fit its share, and it can get
-        a seat (free, or by a displacement), the other clients whose demand exceeds their share: their prompts wait
-        for a step (decodes go on). Once per waiting group, so a pick that does not get in holds no one twice."""
+        a seat (free, or by a displacement), the other clients whose demand exceeds their share, or who were served
+        far ahead (`_served_ahead`): their prompts wait for a step (decodes go on). Once per waiting group, so a pick
+        that does not get in holds no one twice."""
         self._held_for = {k: g for k, g in self._held_for.items() if g in self.waiting}
         seats = self._seats()
         head = self._first_within_share(seats)
@@ -253,7 +254,8 @@ class FairScheduler(DisplacingScheduler):
             return set()
         self._held_for[id(head)] = head
         others = (set(seats) | set(self.vtc.queues)) - {client}
-        return {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        over = {c for c in others if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        return over | self._served_ahead(others | {client}, others - over | {client}) - {client}
 
     def _first_within_share(self, seats: Counter[str | None]) -> SequenceGroup | None:
         """The first waiting group, least-served client first, of a client whose running and waiting sequences all
