@@ -257,6 +257,35 @@ def test_split_context_bf16_equals_reference(cpp: None, threads: int, specs: lis
     assert_close(b.run("cpp"), b.run("reference"))
 
 
+# fp32 queries over a bf16 cache (a model run in fp32 with a bf16 KV cache): decodes and short chunks read the bf16
+# rows in place, widened in registers, when head_dim is a multiple of 32 (32, 64, 128 compiled for, 96 at run time);
+# head_dim 48 takes the generic kernel. G = 1, 3, 4, 6: query rows per kv head in 3s and the remainders.
+FP32_Q_HEADS = [(9, 3), (8, 2), (12, 2), (4, 4)]
+
+
+@pytest.mark.parametrize("specs", [MANY_DECODES, MIXED], ids=["many-decodes", "mixed"])
+@pytest.mark.parametrize("heads", FP32_Q_HEADS, ids=["gqa3", "gqa4", "gqa6", "gqa1"])
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 96, 48])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_fp32_queries_over_bf16_cache_equal_reference(cpp: None, specs: list, heads: tuple[int, int], head_dim: int,
+                                                      block_size: int) -> None:
+    b = make_batch(specs, *heads, head_dim, block_size, torch.bfloat16)
+    fp32_q = Batch(**{**b.__dict__, "q": b.q.float()})
+    out = fp32_q.run("cpp")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
+@pytest.mark.parametrize("heads", FP32_Q_HEADS[:2], ids=["gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_split_context_fp32_queries_over_bf16_cache_equal_reference(cpp: None, threads: int, specs: list,
+                                                                    heads: tuple[int, int], head_dim: int) -> None:
+    b = make_batch(specs, *heads, head_dim, 16, torch.bfloat16)
+    fp32_q = Batch(**{**b.__dict__, "q": b.q.float()})
+    torch.testing.assert_close(fp32_q.run("cpp"), fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
+
+
 def test_split_context_agrees_with_one_thread(cpp: None) -> None:
     """The partitions' merge gives one pass's result up to fp32 rounding (one thread: no split)."""
     b = make_batch([(1500, 1), (600, 2)], 9, 3, 64, 16)

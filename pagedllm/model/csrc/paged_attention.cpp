@@ -280,7 +280,7 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Lane t of the result = the sum of the 8 lanes of v[t]: 14 shuffles and 7 adds for 8 sums.
 __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
   __m256 s[4], u[2];
@@ -292,6 +292,7 @@ __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
+#if defined(__AVX512BF16__)
 // S[r * C + t] = mul * (q_r . k_t) for RB query rows (bf16, row stride D) and 8 keys, D = 32 * DW bf16 values
 // (DW = 0: D given at run time). Each 16-value piece of a key is loaded once for the RB rows; vdpbf16ps on 256-bit
 // vectors leaves 8 lanes per score to sum, half of what 512-bit ones would.
@@ -314,6 +315,43 @@ __attribute__((always_inline)) inline void scores_8(const uint16_t* q, const uin
     }
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(S + r * C, _mm256_mul_ps(sum_lanes_8(acc[r]), _mm256_set1_ps(mul)));
+}
+#endif
+
+// The same for RB fp32 query rows, already scaled, each block of 32 values held as its 16 even values, then its
+// 16 odd ones: each 32-value piece of a key is loaded once and widened in registers (a bf16 is the top half of an
+// fp32: a shift gives the even values, a mask the odd ones), then dotted with the RB rows by fp32 FMA.
+template <int DW, int RB>
+__attribute__((always_inline)) inline void scores_8(const float* q, const uint16_t* const* krow, int64_t D_,
+                                                    float* S, int64_t C) {
+  const int64_t D = DW > 0 ? 32 * DW : D_;
+  const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[RB][8];
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t)
+    for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < D; j += 32) {
+    __m512 qe[RB], qo[RB];
+    for (int r = 0; r < RB; ++r) {
+      qe[r] = _mm512_loadu_ps(q + r * D + j);
+      qo[r] = _mm512_loadu_ps(q + r * D + j + 16);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i x = _mm512_loadu_si512(krow[t] + j);
+      const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+      for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_fmadd_ps(qo[r], ko, _mm512_fmadd_ps(qe[r], ke, acc[r][t]));
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    __m256 h[8];
+    for (int t = 0; t < 8; ++t)
+      h[t] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1)));
+    _mm256_storeu_ps(S + r * C, sum_lanes_8(h));
+  }
 }
 
 // O[r] = O[r] * alpha[r] (no alpha: 1) + sum_t P[r * C + t] * V[t] for RB rows, over the 32 * JW values of V
@@ -406,16 +444,6 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
       }
     }
   }
-}
-
-// Whether attend_rows computes scores straight from bf16 queries and keys (vdpbf16ps), with no conversion.
-template <typename kv_t>
-inline bool bf16_scores(const Problem<kv_t>& P) {
-#if defined(__AVX512BF16__)
-  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 32 == 0;
-#else
-  return false;
-#endif
 }
 
 // Scores S[row][t] of one chunk, token-major over fp32 rows: each token's K rows (all kv heads of the item) are
@@ -618,17 +646,18 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   finish_rows(P, w, acc, m, l, kbuf);
 }
 
-#if defined(__AVX512BF16__)
-// attend_rows over a bf16 cache with bf16 queries (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache
-// rows in place: the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head), the
-// values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
+#if defined(__AVX512F__)
+// attend_rows over a bf16 cache (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache rows in place:
+// the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head; q_t = uint16_t: bf16
+// queries by vdpbf16ps, q_t = float: fp32 queries by FMA over the keys widened in registers), the values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
 // cache: with the arithmetic taken out (the same reads and prefetches) it takes ~85% of its time. So the order of
 // the reads matters: keys and values are read 8 keys at a time with the kv heads inner (windows of adjacent memory
 // rather than one pass per head over a chunk: ~8% faster), and the rows kPrefetchKeys keys ahead are prefetched one
 // row at a time along the way (in bursts, or 8-16 keys ahead: slower), on into the first keys of the thread's next
 // item, which it claims as the current one ends.
-template <int DW>
+template <int DW, typename q_t>
 void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+  constexpr bool f32q = std::is_same_v<q_t, float>;
   const int64_t D = DW > 0 ? 32 * DW : P.D, G = P.G, s = w.seq;
   const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
   const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
@@ -638,7 +667,8 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   constexpr int64_t C = kRowsChunk;
 
   size_t off = 0;
-  uint16_t* qh = reinterpret_cast<uint16_t*>(sc.take(NR * D / 2, off));  // the raw bf16 query rows
+  // The query rows: raw bf16, or fp32 scaled to log2 units in the order of the widened keys (see scores_8).
+  q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * D * sizeof(q_t) / sizeof(float), off));
   float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
@@ -655,8 +685,16 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
     for (int64_t ii = 0; ii < R; ++ii)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
-        const auto* src = static_cast<const uint16_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
-        std::memcpy(qh + row * D, src, row_bytes);
+        const auto* src = static_cast<const q_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
+        if constexpr (f32q) {
+          for (int64_t j = 0; j < D; j += 32)
+            for (int64_t i = 0; i < 16; ++i) {
+              qh[row * D + j + i] = src[j + 2 * i] * P.scale_log2;
+              qh[row * D + j + 16 + i] = src[j + 2 * i + 1] * P.scale_log2;
+            }
+        } else {
+          std::memcpy(qh + row * D, src, row_bytes);
+        }
       }
   std::fill(tmp, tmp + D, 0.0f);
   std::fill(acc, acc + NR * D, 0.0f);
@@ -695,12 +733,18 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
         for (int64_t t = 0; t < 8; ++t) krow[t] = t0 + t < cn ? K + cs[t0 + t] * slot_len + off_g : zero;
         for (int64_t u = c0 + t0 + PT; u < std::min(c0 + t0 + 8 + PT, nk_pf); ++u)
           prefetch_l2(K + slot[u] * slot_len + off_g, row_bytes);
-        const uint16_t* qg = qh + gi * RG * D;
+        const q_t* qg = qh + gi * RG * D;
         float* Sg = S + gi * RG * C + t0;
         int64_t r = 0;
-        for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
-        if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
-        if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        if constexpr (f32q) {
+          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, Sg + r * C, C);
+          if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, Sg + r * C, C);
+          if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, Sg + r * C, C);
+        } else {
+          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+          if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+          if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        }
       }
     }
     softmax_chunk(S, m, l, alpha, sums, NR, R, G, cn, w.k_begin + c0, first_pos);
@@ -749,19 +793,29 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
 }
 #endif
 
-// The decode kernel for this problem: attend_rows_bf16 when bf16_scores allows it, else attend_rows.
+#if defined(__AVX512F__)
+// attend_rows_bf16 compiled for the common head_dims.
+template <typename q_t>
+void attend_rows_bf16_any(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+  switch (P.D) {
+    case 32: return attend_rows_bf16<1, q_t>(P, w, sc, claim);
+    case 64: return attend_rows_bf16<2, q_t>(P, w, sc, claim);
+    case 128: return attend_rows_bf16<4, q_t>(P, w, sc, claim);
+    default: return attend_rows_bf16<0, q_t>(P, w, sc, claim);
+  }
+}
+#endif
+
+// The decode kernel for this problem: over a bf16 cache with head_dim a multiple of 32, attend_rows_bf16 (fp32
+// queries: on AVX-512; bf16 queries: on AVX512-BF16), else attend_rows.
 template <typename kv_t>
 void attend_decode(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
-    if (bf16_scores(P)) {
-      switch (P.D) {
-        case 32: return attend_rows_bf16<1>(P, w, sc, claim);
-        case 64: return attend_rows_bf16<2>(P, w, sc, claim);
-        case 128: return attend_rows_bf16<4>(P, w, sc, claim);
-        default: return attend_rows_bf16<0>(P, w, sc, claim);
-      }
-    }
+    if (P.D % 32 == 0 && !P.half_q) return attend_rows_bf16_any<float>(P, w, sc, claim);
+#if defined(__AVX512BF16__)
+    if (P.D % 32 == 0 && P.half_q) return attend_rows_bf16_any<uint16_t>(P, w, sc, claim);
+#endif
   }
 #endif
   (void)claim;
