@@ -4,10 +4,10 @@
 // Two kernels, both with online softmax and fp32 accumulation, both reading keys in chunks of consecutive
 // positions that may span blocks (so any block size, down to 1, costs the same):
 //  - attend_rows: decodes and very short chunks. Memory bound: each K/V row is read once for all query heads
-//    of its kv group, scores are dot products. Over a bf16 cache with bf16 queries (AVX512-BF16) its own version,
-//    attend_rows_bf16, scores 8 keys x 3 query heads per pass of vdpbf16ps over the stored rows and converts V rows
-//    in registers: no row is copied to fp32 first. Few long decodes are split into context partitions
-//    (flash-decoding), merged exactly.
+//    of its kv group, scores are dot products. Over a bf16 cache its own version, attend_rows_bf16, scores 8 keys x
+//    3 query heads per pass over the stored rows (bf16 queries: vdpbf16ps, on AVX512-BF16; fp32 queries: fp32 FMA
+//    over K rows widened in registers, on AVX-512) and converts V rows in registers: no row is copied to fp32
+//    first. Few long decodes are split into context partitions (flash-decoding), merged exactly.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
 //    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
@@ -318,39 +318,52 @@ __attribute__((always_inline)) inline void scores_8(const uint16_t* q, const uin
 }
 #endif
 
-// The same for RB fp32 query rows, already scaled, each block of 32 values held as its 16 even values, then its
-// 16 odd ones: each 32-value piece of a key is loaded once and widened in registers (a bf16 is the top half of an
-// fp32: a shift gives the even values, a mask the odd ones), then dotted with the RB rows by fp32 FMA.
+// The same for RB fp32 query rows, already scaled and laid out as 32 floats per 16 values of D: their 8 even values
+// twice, then their 8 odd ones twice. Keys go in pairs, 16 values of each in one half of a vector, widened in
+// registers (a bf16 is the top half of an fp32: a shift gives the even values, a mask the odd ones) and dotted with
+// the rows by fp32 FMA; each pair's two sets of 8 partial sums then take 3 shuffle-and-add steps (plus one
+// permutation per two rows) to become the scores, a third of what reducing each key's own 16 lanes costs.
 template <int DW, int RB>
 __attribute__((always_inline)) inline void scores_8(const float* q, const uint16_t* const* krow, int64_t D_,
                                                     float* S, int64_t C) {
   const int64_t D = DW > 0 ? 32 * DW : D_;
   const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 acc[RB][8];
+  __m512 acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < 4; ++p) acc[r][p] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-  for (int t = 0; t < 8; ++t)
-    for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int64_t j = 0; j < D; j += 32) {
+  for (int64_t j = 0; j < D; j += 16) {
     __m512 qe[RB], qo[RB];
     for (int r = 0; r < RB; ++r) {
-      qe[r] = _mm512_loadu_ps(q + r * D + j);
-      qo[r] = _mm512_loadu_ps(q + r * D + j + 16);
+      qe[r] = _mm512_loadu_ps(q + r * 2 * D + 2 * j);
+      qo[r] = _mm512_loadu_ps(q + r * 2 * D + 2 * j + 16);
     }
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const __m512i x = _mm512_loadu_si512(krow[t] + j);
+    for (int p = 0; p < 4; ++p) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[2 * p] + j));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[2 * p + 1] + j));
+      const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
       const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
-      for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_fmadd_ps(qo[r], ko, _mm512_fmadd_ps(qe[r], ke, acc[r][t]));
+      for (int r = 0; r < RB; ++r) acc[r][p] = _mm512_fmadd_ps(qo[r], ko, _mm512_fmadd_ps(qe[r], ke, acc[r][p]));
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    __m256 h[8];
-    for (int t = 0; t < 8; ++t)
-      h[t] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1)));
-    _mm256_storeu_ps(S + r * C, sum_lanes_8(h));
+  __m512 h[RB];
+  for (int r = 0; r < RB; ++r) {  // acc[r][p]: 8 partial sums of key 2p, then 8 of key 2p + 1
+    // 128-bit lane i: 4 partial sums of key i (a) or 4 + i (b)
+    const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x88),
+                                   _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xDD));
+    const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x88),
+                                   _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
+    h[r] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));  // 2 of key i, 2 of 4 + i
+  }
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int r = 0; r < RB; r += 2) {
+    const __m512 g = h[r], u = h[r + 1 < RB ? r + 1 : r];
+    // lane 4i + c: key i of row r (c = 0), key 4 + i of row r (1), the same of row r + 1 (2, 3)
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(g, u, 0x88), _mm512_shuffle_ps(g, u, 0xDD));
+    const __m512 o = _mm512_permutexvar_ps(order, sums);
+    _mm256_storeu_ps(S + r * C, _mm512_castps512_ps256(o));
+    if (r + 1 < RB) _mm256_storeu_ps(S + (r + 1) * C, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(o), 1)));
   }
 }
 
@@ -667,8 +680,9 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   constexpr int64_t C = kRowsChunk;
 
   size_t off = 0;
-  // The query rows: raw bf16, or fp32 scaled to log2 units in the order of the widened keys (see scores_8).
-  q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * D * sizeof(q_t) / sizeof(float), off));
+  // The query rows: raw bf16, or fp32 scaled to log2 units, 2D floats in the order of the widened keys (scores_8).
+  const int64_t QD = f32q ? 2 * D : D;
+  q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * QD * sizeof(q_t) / sizeof(float), off));
   float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
@@ -687,11 +701,14 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
         const auto* src = static_cast<const q_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
         if constexpr (f32q) {
-          for (int64_t j = 0; j < D; j += 32)
-            for (int64_t i = 0; i < 16; ++i) {
-              qh[row * D + j + i] = src[j + 2 * i] * P.scale_log2;
-              qh[row * D + j + 16 + i] = src[j + 2 * i + 1] * P.scale_log2;
-            }
+          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+          const __m512 mul = _mm512_set1_ps(P.scale_log2);
+          for (int64_t j = 0; j < D; j += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + j), mul);
+            _mm512_storeu_ps(qh + row * QD + 2 * j, _mm512_permutexvar_ps(even, x));
+            _mm512_storeu_ps(qh + row * QD + 2 * j + 16,
+                             _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), x));
+          }
         } else {
           std::memcpy(qh + row * D, src, row_bytes);
         }
@@ -733,13 +750,13 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
         for (int64_t t = 0; t < 8; ++t) krow[t] = t0 + t < cn ? K + cs[t0 + t] * slot_len + off_g : zero;
         for (int64_t u = c0 + t0 + PT; u < std::min(c0 + t0 + 8 + PT, nk_pf); ++u)
           prefetch_l2(K + slot[u] * slot_len + off_g, row_bytes);
-        const q_t* qg = qh + gi * RG * D;
+        const q_t* qg = qh + gi * RG * QD;
         float* Sg = S + gi * RG * C + t0;
         int64_t r = 0;
         if constexpr (f32q) {
-          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, Sg + r * C, C);
-          if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, Sg + r * C, C);
-          if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, Sg + r * C, C);
+          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * QD, krow, D, Sg + r * C, C);
+          if (RG - r == 2) scores_8<DW, 2>(qg + r * QD, krow, D, Sg + r * C, C);
+          if (RG - r == 1) scores_8<DW, 1>(qg + r * QD, krow, D, Sg + r * C, C);
         } else {
           for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
           if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
@@ -1085,7 +1102,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const size_t pad = 16;
   const size_t NR = rows_max_R * H;
   const size_t span = KVH * D;
-  const size_t rows_floats = 2 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
+  // attend_rows: q (2 * NR * D in attend_rows_bf16 over fp32 queries) and acc, ...
+  const size_t rows_floats = 3 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
                              (kRowsChunk * span + pad);
   const size_t Mp = (tile_max_M + 15) / 16 * 16;
   const size_t tile_floats = 2 * (Mp * D + pad) + 3 * (Mp + pad) + (kTileChunk * Mp + pad) +
