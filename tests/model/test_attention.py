@@ -142,6 +142,26 @@ def test_cpp_writer_copies_each_row_to_its_slot(cpp: None, dtype: torch.dtype) -
     assert expected_k.count_nonzero() == 5 * 16
 
 
+@pytest.mark.parametrize("head_dim", [48, 24], ids=["vectors", "vector-and-tail"])
+def test_cpp_writer_rounds_fp32_into_a_bf16_cache_as_torch_does(cpp: None, head_dim: int) -> None:
+    """Every value bit for bit what .to(torch.bfloat16) gives: random bit patterns over all exponents, ties to even
+    (both parities), values that round up to inf, infinities, subnormals, -0; NaN stays NaN."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (6, 2, head_dim), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0, 0, :8] = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000, -0x800000, 0x00008000,
+                                   -(2**31)], dtype=torch.int32)  # ties, to inf, +-inf, a subnormal tie, -0
+    qkv = torch.cat([bits.view(torch.float32), torch.randn(6, 2, head_dim, generator=gen)], dim=1)
+    k, v = qkv[:, :2], qkv[:, 2:]  # strided views, as out of a fused projection
+    slots = torch.tensor([9, 0, 4, 3, 14, 7])
+    k_cache, v_cache = (torch.zeros(4, 4, 2, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    write_kv(k, v, k_cache, v_cache, slots, kernels.load())
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        got, want = cache.flatten(0, 1)[slots], x.to(torch.bfloat16)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_write_kv_casts_to_the_cache_dtype() -> None:
     k_cache, v_cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
     k = torch.randn(2, 1, 16)

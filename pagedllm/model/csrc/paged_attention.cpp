@@ -1177,8 +1177,26 @@ void quantize_row(const T* x, uint8_t* rec, int64_t D) {
   }
 }
 
-// The rows of x [T, KVH, D] (last dim contiguous) to their slots of the cache: copied (same dtype), or quantised
-// into int8 records (uint8 cache).
+// n fp32 values to bf16, rounded to nearest even exactly as torch's .to(torch.bfloat16) does (its vectorised
+// conversion: NaN becomes 0xFFFF; c10's scalar one, used for a tail: 0x7FC0).
+inline void row_to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
+    const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(b));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+// The rows of x [T, KVH, D] (last dim contiguous) to their slots of the cache: copied (same dtype), rounded (fp32
+// into bf16), or quantised into int8 records (uint8 cache).
 template <typename T, typename C>
 void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
   const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2), RL = cache.size(3);
@@ -1191,6 +1209,8 @@ void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
         C* rec = dst + (slots[t] * KVH + h) * RL;
         if constexpr (std::is_same_v<C, uint8_t>)
           quantize_row(src + t * s0 + h * s1, rec, D);
+        else if constexpr (!std::is_same_v<C, T>)
+          row_to_bf16(src + t * s0 + h * s1, rec, D);
         else
           std::memcpy(rec, src + t * s0 + h * s1, D * sizeof(T));
       }
@@ -1200,8 +1220,8 @@ void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
 }  // namespace
 
 // Stores the step's keys and values [T, num_kv_heads, head_dim] (last dim contiguous) at their cache slots
-// (block_id * block_size + offset), in place: copied into a float32 / bfloat16 cache of their own dtype, quantised
-// into an int8 (uint8 records) one.
+// (block_id * block_size + offset), in place: copied into a float32 / bfloat16 cache of their own dtype, rounded
+// into a bfloat16 one (float32 keys and values), quantised into an int8 (uint8 records) one.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -1209,8 +1229,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "k and v must be float32 or bfloat16");
   const bool int8_cache = k_cache.scalar_type() == at::kByte;
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (int8_cache || k_cache.scalar_type() == k.scalar_type()),
-              "the cache must be k's dtype, or uint8 (int8 records)");
+  const bool to_bf16 = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (int8_cache || to_bf16 || k_cache.scalar_type() == k.scalar_type()),
+              "the cache must be k's dtype, bfloat16 (for float32 k), or uint8 (int8 records)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, row]");
@@ -1227,6 +1249,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     if (int8_cache) {
       store_rows<float, uint8_t>(k, k_cache, slots);
       store_rows<float, uint8_t>(v, v_cache, slots);
+    } else if (to_bf16) {
+      store_rows<float, at::BFloat16>(k, k_cache, slots);
+      store_rows<float, at::BFloat16>(v, v_cache, slots);
     } else {
       store_rows<float, float>(k, k_cache, slots);
       store_rows<float, float>(v, v_cache, slots);
