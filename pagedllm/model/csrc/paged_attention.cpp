@@ -43,7 +43,7 @@ constexpr int64_t kKvGroup = 16;  // int8 cache: values per (scale, min) pair
 
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
 constexpr int64_t kPrefetchKeys = 64;  // attend_rows_bf16: how far ahead keys and values are prefetched
-constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner
+constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner (bf16 q)
 constexpr int64_t kSplitPerThread = 4;  // few decodes: context partitions per thread
 constexpr int64_t kMinPartKeys = 128;   // ... of at least this many keys
 constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)
@@ -728,7 +728,8 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   int64_t nk_pf = nk;
   const int64_t slot_len = P.KVH * P.RL;  // cache elements per slot
 
-  constexpr int64_t PS = kValueKeys;
+  // fp32 queries: a whole chunk per pass over the values (~3% faster on the Xeon without AVX512-BF16 than 8 keys).
+  constexpr int64_t PS = f32q ? kRowsChunk : kValueKeys;
   for (int64_t c0 = 0; c0 < nk; c0 += C) {  // c0: key index within the item
     const int64_t cn = std::min(C, nk - c0);
     const int32_t* cs = slot + c0;
