@@ -2,12 +2,14 @@
 
 Per shape (batch x context), 30 layers' worth of cache in shuffled blocks of 16 tokens (so that it comes from
 memory, not from the last-level cache), the default model's heads (9 query, 3 kv, 64 wide), one decode query per
-sequence. Prints the best of `--reps` passes over the 30 layers, and the K/V bytes read divided by that time. The
-shapes: a full decode batch (193 x 300), mid-size ones, and the tail of a run (1-2 long sequences, where the
-kernel splits each context into partitions across threads).
+sequence (bf16 queries, or `--q-dtype float32`: a model run in fp32 over a bf16 cache). Prints the best of `--reps`
+passes over the 30 layers, and the K/V bytes read divided by that time. The shapes: a full decode batch (193 x 300),
+mid-size ones, and the tail of a run (1-2 long sequences, where the kernel splits each context into partitions
+across threads).
 
     python docs/scripts/decode_attention_speed.py            # the checkout on PYTHONPATH
     PYTHONPATH=/work/main python docs/scripts/decode_attention_speed.py   # another checkout's kernel
+    python docs/scripts/decode_attention_speed.py --q-dtype float32      # fp32 queries, bf16 cache
 
 Timings on a shared machine are noisy: compare two checkouts by alternating runs, several times.
 """
@@ -32,15 +34,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES),
                         help="comma-separated batch x context, e.g. 2x1200,1x1200")
+    parser.add_argument("--q-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the queries' dtype (and the output's); the cache is bf16 either way")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print(f"pagedllm from {pagedllm.__file__}, {args.threads} threads, best of {args.reps}")
+    q_dtype = getattr(torch, args.q_dtype)
+    print(f"pagedllm from {pagedllm.__file__}, {args.threads} threads, best of {args.reps}, {q_dtype} queries")
     print(f"| {'batch x context':<15} | {'ms (30 layers)':>14} | {'effective KV read':>17} |")
     print(f"|{'-' * 17}|{'-' * 16}|{'-' * 19}|")
     for batch, ctx in shapes:
         layers = [layer(batch, ctx, False, gen) for _ in range(LAYERS)]
+        layers = [(a[0].to(q_dtype), *a[1:]) for a in layers]
         for a in layers[:2]:
             paged_attention(*a, backend="cpp")  # the first call builds or loads the kernel
         best = float("inf")

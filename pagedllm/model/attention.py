@@ -64,11 +64,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     into records in an int8 cache).
 
     ``slot_mapping[i] = block_id * block_size + offset`` (int64, or int32, converted). With the C++ kernels `ext`,
-    one call for K and V (the torch path: two vectorised copies, and the quantisation as separate ops).
+    one call for K and V, fp32 rows rounded into a bf16 cache as they are stored (the torch path: two vectorised
+    copies, the conversion and the quantisation as separate ops).
     """
     slots = slot_mapping.long()
-    if (ext is not None and k_cache.dtype in (torch.uint8, k.dtype) and k.dtype == v.dtype
-            and k.stride(-1) == 1 and v.stride(-1) == 1):
+    cache_ok = k_cache.dtype in (torch.uint8, k.dtype) or (k_cache.dtype, k.dtype) == (torch.bfloat16, torch.float32)
+    if ext is not None and cache_ok and k.dtype == v.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         ext.write_kv(k, v, k_cache, v_cache, slots.contiguous())
         return
     if k_cache.dtype == torch.uint8:

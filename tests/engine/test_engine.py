@@ -135,6 +135,24 @@ def test_int8_kv_cache_gives_the_same_tokens_whatever_the_batching(tiny_model_di
     assert llm.engine.scheduler.num_preemptions > 0 or args["num_blocks"] == 512
 
 
+def test_fp32_model_over_a_bf16_kv_cache_gives_the_same_tokens_with_either_backend(tiny_model_dir):
+    """An fp32 model over a bf16 cache: the C++ writer rounds K and V into it as torch's conversion does, and the
+    kernel attends over it as the reference does: the same greedy tokens and logprobs to float32 summation order."""
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = {}
+    for backend in ("cpp", "reference"):
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_dtype="bfloat16", num_blocks=256,
+                  attention_backend=backend)
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+    for ours, ref in zip(runs["cpp"], runs["reference"]):
+        assert_same_greedy(ours.outputs[0].token_ids, ref)
+        if ours.outputs[0].token_ids == ref.outputs[0].token_ids:
+            for a, b, tok in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs, ours.outputs[0].token_ids):
+                assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+
+
 def test_int8_kv_cache_holds_more_tokens_and_changes_the_numbers(tiny_model_dir):
     """Same memory, 1.6x the blocks (64-wide heads: 80 bytes a row against 128 in bf16); the outputs are not
     the bf16 cache's bit for bit (the records are really used), yet close."""

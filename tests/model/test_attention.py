@@ -142,6 +142,26 @@ def test_cpp_writer_copies_each_row_to_its_slot(cpp: None, dtype: torch.dtype) -
     assert expected_k.count_nonzero() == 5 * 16
 
 
+@pytest.mark.parametrize("head_dim", [48, 24], ids=["vectors", "vector-and-tail"])
+def test_cpp_writer_rounds_fp32_into_a_bf16_cache_as_torch_does(cpp: None, head_dim: int) -> None:
+    """Every value bit for bit what .to(torch.bfloat16) gives: random bit patterns over all exponents, ties to even
+    (both parities), values that round up to inf, infinities, subnormals, -0; NaN stays NaN."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (6, 2, head_dim), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0, 0, :8] = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000, -0x800000, 0x00008000,
+                                   -(2**31)], dtype=torch.int32)  # ties, to inf, +-inf, a subnormal tie, -0
+    qkv = torch.cat([bits.view(torch.float32), torch.randn(6, 2, head_dim, generator=gen)], dim=1)
+    k, v = qkv[:, :2], qkv[:, 2:]  # strided views, as out of a fused projection
+    slots = torch.tensor([9, 0, 4, 3, 14, 7])
+    k_cache, v_cache = (torch.zeros(4, 4, 2, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    write_kv(k, v, k_cache, v_cache, slots, kernels.load())
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        got, want = cache.flatten(0, 1)[slots], x.to(torch.bfloat16)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_write_kv_casts_to_the_cache_dtype() -> None:
     k_cache, v_cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
     k = torch.randn(2, 1, 16)
@@ -255,6 +275,35 @@ def test_split_context_bf16_equals_reference(cpp: None, threads: int, specs: lis
                                              kv_int8: bool) -> None:
     b = make_batch(specs, 9, 3, head_dim, 16, torch.bfloat16, kv_int8=kv_int8)
     assert_close(b.run("cpp"), b.run("reference"))
+
+
+# fp32 queries over a bf16 cache (a model run in fp32 with a bf16 KV cache): decodes and short chunks read the bf16
+# rows in place, widened in registers, when head_dim is a multiple of 32 (32, 64, 128 compiled for, 96 at run time);
+# head_dim 48 takes the generic kernel. G = 1, 3, 4, 6: query rows per kv head in 3s and the remainders.
+FP32_Q_HEADS = [(9, 3), (8, 2), (12, 2), (4, 4)]
+
+
+@pytest.mark.parametrize("specs", [MANY_DECODES, MIXED], ids=["many-decodes", "mixed"])
+@pytest.mark.parametrize("heads", FP32_Q_HEADS, ids=["gqa3", "gqa4", "gqa6", "gqa1"])
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 96, 48])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_fp32_queries_over_bf16_cache_equal_reference(cpp: None, specs: list, heads: tuple[int, int], head_dim: int,
+                                                      block_size: int) -> None:
+    b = make_batch(specs, *heads, head_dim, block_size, torch.bfloat16)
+    fp32_q = Batch(**{**b.__dict__, "q": b.q.float()})
+    out = fp32_q.run("cpp")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
+@pytest.mark.parametrize("heads", FP32_Q_HEADS[:2], ids=["gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_split_context_fp32_queries_over_bf16_cache_equal_reference(cpp: None, threads: int, specs: list,
+                                                                    heads: tuple[int, int], head_dim: int) -> None:
+    b = make_batch(specs, *heads, head_dim, 16, torch.bfloat16)
+    fp32_q = Batch(**{**b.__dict__, "q": b.q.float()})
+    torch.testing.assert_close(fp32_q.run("cpp"), fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
 
 
 def test_split_context_agrees_with_one_thread(cpp: None) -> None:

@@ -4,10 +4,10 @@
 // Two kernels, both with online softmax and fp32 accumulation, both reading keys in chunks of consecutive
 // positions that may span blocks (so any block size, down to 1, costs the same):
 //  - attend_rows: decodes and very short chunks. Memory bound: each K/V row is read once for all query heads
-//    of its kv group, scores are dot products. Over a bf16 cache with bf16 queries (AVX512-BF16) its own version,
-//    attend_rows_bf16, scores 8 keys x 3 query heads per pass of vdpbf16ps over the stored rows and converts V rows
-//    in registers: no row is copied to fp32 first. Few long decodes are split into context partitions
-//    (flash-decoding), merged exactly.
+//    of its kv group, scores are dot products. Over a bf16 cache its own version, attend_rows_bf16, scores 8 keys x
+//    3 query heads per pass over the stored rows (bf16 queries: vdpbf16ps, on AVX512-BF16; fp32 queries: fp32 FMA
+//    over K rows widened in registers, on AVX-512) and converts V rows in registers: no row is copied to fp32
+//    first. Few long decodes are split into context partitions (flash-decoding), merged exactly.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
 //    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
@@ -43,7 +43,7 @@ constexpr int64_t kKvGroup = 16;  // int8 cache: values per (scale, min) pair
 
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
 constexpr int64_t kPrefetchKeys = 64;  // attend_rows_bf16: how far ahead keys and values are prefetched
-constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner
+constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner (bf16 q)
 constexpr int64_t kSplitPerThread = 4;  // few decodes: context partitions per thread
 constexpr int64_t kMinPartKeys = 128;   // ... of at least this many keys
 constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)
@@ -280,7 +280,7 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Lane t of the result = the sum of the 8 lanes of v[t]: 14 shuffles and 7 adds for 8 sums.
 __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
   __m256 s[4], u[2];
@@ -292,6 +292,7 @@ __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
+#if defined(__AVX512BF16__)
 // S[r * C + t] = mul * (q_r . k_t) for RB query rows (bf16, row stride D) and 8 keys, D = 32 * DW bf16 values
 // (DW = 0: D given at run time). Each 16-value piece of a key is loaded once for the RB rows; vdpbf16ps on 256-bit
 // vectors leaves 8 lanes per score to sum, half of what 512-bit ones would.
@@ -314,6 +315,56 @@ __attribute__((always_inline)) inline void scores_8(const uint16_t* q, const uin
     }
   }
   for (int r = 0; r < RB; ++r) _mm256_storeu_ps(S + r * C, _mm256_mul_ps(sum_lanes_8(acc[r]), _mm256_set1_ps(mul)));
+}
+#endif
+
+// The same for RB fp32 query rows, already scaled and laid out as 32 floats per 16 values of D: their 8 even values
+// twice, then their 8 odd ones twice. Keys go in pairs, 16 values of each in one half of a vector, widened in
+// registers (a bf16 is the top half of an fp32: a shift gives the even values, a mask the odd ones) and dotted with
+// the rows by fp32 FMA; each pair's two sets of 8 partial sums then take 3 shuffle-and-add steps (plus one
+// permutation per two rows) to become the scores, a third of what reducing each key's own 16 lanes costs.
+template <int DW, int RB>
+__attribute__((always_inline)) inline void scores_8(const float* q, const uint16_t* const* krow, int64_t D_,
+                                                    float* S, int64_t C) {
+  const int64_t D = DW > 0 ? 32 * DW : D_;
+  const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < 4; ++p) acc[r][p] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < D; j += 16) {
+    __m512 qe[RB], qo[RB];
+    for (int r = 0; r < RB; ++r) {
+      qe[r] = _mm512_loadu_ps(q + r * 2 * D + 2 * j);
+      qo[r] = _mm512_loadu_ps(q + r * 2 * D + 2 * j + 16);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[2 * p] + j));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[2 * p + 1] + j));
+      const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+      for (int r = 0; r < RB; ++r) acc[r][p] = _mm512_fmadd_ps(qo[r], ko, _mm512_fmadd_ps(qe[r], ke, acc[r][p]));
+    }
+  }
+  __m512 h[RB];
+  for (int r = 0; r < RB; ++r) {  // acc[r][p]: 8 partial sums of key 2p, then 8 of key 2p + 1
+    // 128-bit lane i: 4 partial sums of key i (a) or 4 + i (b)
+    const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x88),
+                                   _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xDD));
+    const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x88),
+                                   _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
+    h[r] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));  // 2 of key i, 2 of 4 + i
+  }
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int r = 0; r < RB; r += 2) {
+    const __m512 g = h[r], u = h[r + 1 < RB ? r + 1 : r];
+    // lane 4i + c: key i of row r (c = 0), key 4 + i of row r (1), the same of row r + 1 (2, 3)
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(g, u, 0x88), _mm512_shuffle_ps(g, u, 0xDD));
+    const __m512 o = _mm512_permutexvar_ps(order, sums);
+    _mm256_storeu_ps(S + r * C, _mm512_castps512_ps256(o));
+    if (r + 1 < RB) _mm256_storeu_ps(S + (r + 1) * C, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(o), 1)));
+  }
 }
 
 // O[r] = O[r] * alpha[r] (no alpha: 1) + sum_t P[r * C + t] * V[t] for RB rows, over the 32 * JW values of V
@@ -406,16 +457,6 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
       }
     }
   }
-}
-
-// Whether attend_rows computes scores straight from bf16 queries and keys (vdpbf16ps), with no conversion.
-template <typename kv_t>
-inline bool bf16_scores(const Problem<kv_t>& P) {
-#if defined(__AVX512BF16__)
-  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 32 == 0;
-#else
-  return false;
-#endif
 }
 
 // Scores S[row][t] of one chunk, token-major over fp32 rows: each token's K rows (all kv heads of the item) are
@@ -618,17 +659,18 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   finish_rows(P, w, acc, m, l, kbuf);
 }
 
-#if defined(__AVX512BF16__)
-// attend_rows over a bf16 cache with bf16 queries (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache
-// rows in place: the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head), the
-// values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
+#if defined(__AVX512F__)
+// attend_rows over a bf16 cache (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache rows in place:
+// the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head; q_t = uint16_t: bf16
+// queries by vdpbf16ps, q_t = float: fp32 queries by FMA over the keys widened in registers), the values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
 // cache: with the arithmetic taken out (the same reads and prefetches) it takes ~85% of its time. So the order of
 // the reads matters: keys and values are read 8 keys at a time with the kv heads inner (windows of adjacent memory
 // rather than one pass per head over a chunk: ~8% faster), and the rows kPrefetchKeys keys ahead are prefetched one
 // row at a time along the way (in bursts, or 8-16 keys ahead: slower), on into the first keys of the thread's next
 // item, which it claims as the current one ends.
-template <int DW>
+template <int DW, typename q_t>
 void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+  constexpr bool f32q = std::is_same_v<q_t, float>;
   const int64_t D = DW > 0 ? 32 * DW : P.D, G = P.G, s = w.seq;
   const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
   const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
@@ -638,7 +680,9 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   constexpr int64_t C = kRowsChunk;
 
   size_t off = 0;
-  uint16_t* qh = reinterpret_cast<uint16_t*>(sc.take(NR * D / 2, off));  // the raw bf16 query rows
+  // The query rows: raw bf16, or fp32 scaled to log2 units, 2D floats in the order of the widened keys (scores_8).
+  const int64_t QD = f32q ? 2 * D : D;
+  q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * QD * sizeof(q_t) / sizeof(float), off));
   float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
@@ -655,8 +699,19 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
     for (int64_t ii = 0; ii < R; ++ii)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
-        const auto* src = static_cast<const uint16_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
-        std::memcpy(qh + row * D, src, row_bytes);
+        const auto* src = static_cast<const q_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
+        if constexpr (f32q) {
+          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+          const __m512 mul = _mm512_set1_ps(P.scale_log2);
+          for (int64_t j = 0; j < D; j += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + j), mul);
+            _mm512_storeu_ps(qh + row * QD + 2 * j, _mm512_permutexvar_ps(even, x));
+            _mm512_storeu_ps(qh + row * QD + 2 * j + 16,
+                             _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), x));
+          }
+        } else {
+          std::memcpy(qh + row * D, src, row_bytes);
+        }
       }
   std::fill(tmp, tmp + D, 0.0f);
   std::fill(acc, acc + NR * D, 0.0f);
@@ -673,7 +728,8 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   int64_t nk_pf = nk;
   const int64_t slot_len = P.KVH * P.RL;  // cache elements per slot
 
-  constexpr int64_t PS = kValueKeys;
+  // fp32 queries: a whole chunk per pass over the values (~3% faster on the Xeon without AVX512-BF16 than 8 keys).
+  constexpr int64_t PS = f32q ? kRowsChunk : kValueKeys;
   for (int64_t c0 = 0; c0 < nk; c0 += C) {  // c0: key index within the item
     const int64_t cn = std::min(C, nk - c0);
     const int32_t* cs = slot + c0;
@@ -695,12 +751,18 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
         for (int64_t t = 0; t < 8; ++t) krow[t] = t0 + t < cn ? K + cs[t0 + t] * slot_len + off_g : zero;
         for (int64_t u = c0 + t0 + PT; u < std::min(c0 + t0 + 8 + PT, nk_pf); ++u)
           prefetch_l2(K + slot[u] * slot_len + off_g, row_bytes);
-        const uint16_t* qg = qh + gi * RG * D;
+        const q_t* qg = qh + gi * RG * QD;
         float* Sg = S + gi * RG * C + t0;
         int64_t r = 0;
-        for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
-        if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
-        if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        if constexpr (f32q) {
+          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * QD, krow, D, Sg + r * C, C);
+          if (RG - r == 2) scores_8<DW, 2>(qg + r * QD, krow, D, Sg + r * C, C);
+          if (RG - r == 1) scores_8<DW, 1>(qg + r * QD, krow, D, Sg + r * C, C);
+        } else {
+          for (; r + 3 <= RG; r += 3) scores_8<DW, 3>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+          if (RG - r == 2) scores_8<DW, 2>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+          if (RG - r == 1) scores_8<DW, 1>(qg + r * D, krow, D, P.scale_log2, Sg + r * C, C);
+        }
       }
     }
     softmax_chunk(S, m, l, alpha, sums, NR, R, G, cn, w.k_begin + c0, first_pos);
@@ -749,19 +811,29 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
 }
 #endif
 
-// The decode kernel for this problem: attend_rows_bf16 when bf16_scores allows it, else attend_rows.
+#if defined(__AVX512F__)
+// attend_rows_bf16 compiled for the common head_dims.
+template <typename q_t>
+void attend_rows_bf16_any(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
+  switch (P.D) {
+    case 32: return attend_rows_bf16<1, q_t>(P, w, sc, claim);
+    case 64: return attend_rows_bf16<2, q_t>(P, w, sc, claim);
+    case 128: return attend_rows_bf16<4, q_t>(P, w, sc, claim);
+    default: return attend_rows_bf16<0, q_t>(P, w, sc, claim);
+  }
+}
+#endif
+
+// The decode kernel for this problem: over a bf16 cache with head_dim a multiple of 32, attend_rows_bf16 (fp32
+// queries: on AVX-512; bf16 queries: on AVX512-BF16), else attend_rows.
 template <typename kv_t>
 void attend_decode(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
-    if (bf16_scores(P)) {
-      switch (P.D) {
-        case 32: return attend_rows_bf16<1>(P, w, sc, claim);
-        case 64: return attend_rows_bf16<2>(P, w, sc, claim);
-        case 128: return attend_rows_bf16<4>(P, w, sc, claim);
-        default: return attend_rows_bf16<0>(P, w, sc, claim);
-      }
-    }
+    if (P.D % 32 == 0 && !P.half_q) return attend_rows_bf16_any<float>(P, w, sc, claim);
+#if defined(__AVX512BF16__)
+    if (P.D % 32 == 0 && P.half_q) return attend_rows_bf16_any<uint16_t>(P, w, sc, claim);
+#endif
   }
 #endif
   (void)claim;
@@ -1031,7 +1103,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const size_t pad = 16;
   const size_t NR = rows_max_R * H;
   const size_t span = KVH * D;
-  const size_t rows_floats = 2 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
+  // attend_rows: q (2 * NR * D in attend_rows_bf16 over fp32 queries) and acc, ...
+  const size_t rows_floats = 3 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
                              (kRowsChunk * span + pad);
   const size_t Mp = (tile_max_M + 15) / 16 * 16;
   const size_t tile_floats = 2 * (Mp * D + pad) + 3 * (Mp + pad) + (kTileChunk * Mp + pad) +
@@ -1105,8 +1178,26 @@ void quantize_row(const T* x, uint8_t* rec, int64_t D) {
   }
 }
 
-// The rows of x [T, KVH, D] (last dim contiguous) to their slots of the cache: copied (same dtype), or quantised
-// into int8 records (uint8 cache).
+// n fp32 values to bf16, rounded to nearest even exactly as torch's .to(torch.bfloat16) does (its vectorised
+// conversion: NaN becomes 0xFFFF; c10's scalar one, used for a tail: 0x7FC0).
+inline void row_to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
+    const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(b));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+// The rows of x [T, KVH, D] (last dim contiguous) to their slots of the cache: copied (same dtype), rounded (fp32
+// into bf16), or quantised into int8 records (uint8 cache).
 template <typename T, typename C>
 void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
   const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2), RL = cache.size(3);
@@ -1119,6 +1210,8 @@ void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
         C* rec = dst + (slots[t] * KVH + h) * RL;
         if constexpr (std::is_same_v<C, uint8_t>)
           quantize_row(src + t * s0 + h * s1, rec, D);
+        else if constexpr (!std::is_same_v<C, T>)
+          row_to_bf16(src + t * s0 + h * s1, rec, D);
         else
           std::memcpy(rec, src + t * s0 + h * s1, D * sizeof(T));
       }
@@ -1128,8 +1221,8 @@ void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
 }  // namespace
 
 // Stores the step's keys and values [T, num_kv_heads, head_dim] (last dim contiguous) at their cache slots
-// (block_id * block_size + offset), in place: copied into a float32 / bfloat16 cache of their own dtype, quantised
-// into an int8 (uint8 records) one.
+// (block_id * block_size + offset), in place: copied into a float32 / bfloat16 cache of their own dtype, rounded
+// into a bfloat16 one (float32 keys and values), quantised into an int8 (uint8 records) one.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -1137,8 +1230,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "k and v must be float32 or bfloat16");
   const bool int8_cache = k_cache.scalar_type() == at::kByte;
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (int8_cache || k_cache.scalar_type() == k.scalar_type()),
-              "the cache must be k's dtype, or uint8 (int8 records)");
+  const bool to_bf16 = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (int8_cache || to_bf16 || k_cache.scalar_type() == k.scalar_type()),
+              "the cache must be k's dtype, bfloat16 (for float32 k), or uint8 (int8 records)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, row]");
@@ -1155,6 +1250,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     if (int8_cache) {
       store_rows<float, uint8_t>(k, k_cache, slots);
       store_rows<float, uint8_t>(v, v_cache, slots);
+    } else if (to_bf16) {
+      store_rows<float, at::BFloat16>(k, k_cache, slots);
+      store_rows<float, at::BFloat16>(v, v_cache, slots);
     } else {
       store_rows<float, float>(k, k_cache, slots);
       store_rows<float, float>(v, v_cache, slots);
