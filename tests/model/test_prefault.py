@@ -37,6 +37,32 @@ def test_the_pool_is_resident_after_the_wait(tiny_model_dir):
         assert resident_fraction(k_cache) == 1.0 and resident_fraction(v_cache) == 1.0
 
 
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+def test_the_pool_asks_for_huge_pages_where_the_kernel_has_them(tiny_model_dir):
+    """MADV_HUGEPAGE on each cache tensor before it is touched (the smaps flag `hg`), where THP is not off."""
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="48MiB")
+    assert llm.engine.runner.prefault.huge_pages == ("[never]" not in thp)
+    if llm.engine.runner.prefault.huge_pages:
+        k_cache = llm.engine.runner.kv_caches[0][0]
+        assert "hg" in vm_flags(k_cache.data_ptr() + k_cache.numel() * k_cache.element_size() // 2)
+
+
 def test_mapping_never_changes_what_is_stored():
     """Values written before and while the thread runs are all still there after it (it maps, it never writes)."""
     caches = [torch.empty(2048, 16, 2, 64) for _ in range(6)]
