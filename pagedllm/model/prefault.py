@@ -141,7 +141,7 @@ class KVPrefault:
 def advise_huge_pages(caches: Sequence[torch.Tensor]) -> bool:
     """Ask for transparent huge pages on each tensor's 2 MiB-aligned span, before any page of it is touched: decode
     attention reads blocks scattered over the pool, and with 4 KiB pages a TLB miss stalls many of those reads (2 MiB
-    pages: its read rate +7-9% alone, the whole workload +0.7%, on the Intel kind without BF16). False where the
+    pages: its read rate +7-9% alone, the whole workload +0.6%, on the Intel kind without BF16). False where the
     kernel refuses (THP off, not Linux): nothing changes then."""
     try:
         madvise = _madvise()
