@@ -10,6 +10,7 @@ across threads).
     python docs/scripts/decode_attention_speed.py            # the checkout on PYTHONPATH
     PYTHONPATH=/work/main python docs/scripts/decode_attention_speed.py   # another checkout's kernel
     python docs/scripts/decode_attention_speed.py --q-dtype float32      # fp32 queries, bf16 cache
+    python docs/scripts/decode_attention_speed.py --q-dtype float32 --cache-dtype float32   # an fp32 model's own cache
 
 Timings on a shared machine are noisy: compare two checkouts by alternating runs, several times.
 """
@@ -35,18 +36,21 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES),
                         help="comma-separated batch x context, e.g. 2x1200,1x1200")
     parser.add_argument("--q-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="the queries' dtype (and the output's); the cache is bf16 either way")
+                        help="the queries' dtype (and the output's)")
+    parser.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the cache's dtype (float32: the bf16 values widened, the same numbers)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    q_dtype = getattr(torch, args.q_dtype)
-    print(f"pagedllm from {pagedllm.__file__}, {args.threads} threads, best of {args.reps}, {q_dtype} queries")
+    q_dtype, cache_dtype = getattr(torch, args.q_dtype), getattr(torch, args.cache_dtype)
+    print(f"pagedllm from {pagedllm.__file__}, {args.threads} threads, best of {args.reps}, {q_dtype} queries, "
+          f"{cache_dtype} cache")
     print(f"| {'batch x context':<15} | {'ms (30 layers)':>14} | {'effective KV read':>17} |")
     print(f"|{'-' * 17}|{'-' * 16}|{'-' * 19}|")
     for batch, ctx in shapes:
         layers = [layer(batch, ctx, False, gen) for _ in range(LAYERS)]
-        layers = [(a[0].to(q_dtype), *a[1:]) for a in layers]
+        layers = [(a[0].to(q_dtype), a[1].to(cache_dtype), a[2].to(cache_dtype), *a[3:]) for a in layers]
         for a in layers[:2]:
             paged_attention(*a, backend="cpp")  # the first call builds or loads the kernel
         best = float("inf")
@@ -55,7 +59,7 @@ def main() -> None:
             for a in layers:
                 paged_attention(*a, backend="cpp")
             best = min(best, time.perf_counter() - start)
-        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS  # K and V, bf16
+        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize * LAYERS  # K and V
         print(f"| {f'{batch} x {ctx}':<15} | {best * 1e3:>14.1f} | {kv_bytes / best / 1e9:>12.1f} GB/s |", flush=True)
         del layers
 

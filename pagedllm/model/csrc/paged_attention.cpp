@@ -662,8 +662,9 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
 #if defined(__AVX512F__)
 // attend_rows over a bf16 cache (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache rows in place:
 // the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head; q_t = uint16_t: bf16
-// queries by vdpbf16ps, q_t = float: fp32 queries by FMA over the keys widened in registers), the values by pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level
-// cache: with the arithmetic taken out (the same reads and prefetches) it takes ~85% of its time. So the order of
+// queries by vdpbf16ps, q_t = float: fp32 queries by FMA over the keys widened in registers), the values by
+// pv_bf16. Memory, not arithmetic, bounds it on two threads over a cache bigger than the last-level cache: with the
+// arithmetic taken out (the same reads and prefetches) it takes ~85% of its time. So the order of
 // the reads matters: keys and values are read 8 keys at a time with the kv heads inner (windows of adjacent memory
 // rather than one pass per head over a chunk: ~8% faster), and the rows kPrefetchKeys keys ahead are prefetched one
 // row at a time along the way (in bursts, or 8-16 keys ahead: slower), on into the first keys of the thread's next
