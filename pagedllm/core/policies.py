@@ -26,6 +26,12 @@ DISPLACEMENT_FLOOR = 2
 # time within its share of the seats, would otherwise fill whole steps).
 PACED_PROMPT_TOKENS = 64
 PACE_WINDOW_STEPS = 256
+# Under fair, a client's only request (a chat turn, a document sent alone), when its client is alone or its prompt
+# puts it ahead of the least-served client (`_slow_starters`), starts its prompt with PACED_PROMPT_TOKENS and then
+# computes at most as many tokens a step as it has computed, up to LONE_PROMPT_TOKENS: a request arriving with it (a
+# burst, a server's first seconds) waits for a short step, a later one for at most this many tokens.
+# Free on the Intel kind without AVX512-BF16 (256-token chunks of 1,024 and 3,072-token prompts; docs/fairness.md)
+LONE_PROMPT_TOKENS = 256
 
 
 def priority_key(group: SequenceGroup) -> tuple[int, float, int]:
@@ -160,6 +166,7 @@ class FairScheduler(DisplacingScheduler):
         self._held: set[str | None] = set()  # clients whose prompts wait during this step
         self._paced: set[str | None] = set()  # clients that compute PACED_PROMPT_TOKENS prompt tokens this step at most
         self._prompted: Counter[str | None] = Counter()  # the prompt tokens the paced clients computed this step
+        self._lone: set[str | None] = set()  # clients with one request whose prompt starts small
         self._held_for: dict[int, SequenceGroup] = {}  # waiting groups a step held prompts for: once each
         self._admitted: list[SequenceGroup] = []  # this step's admissions, which it does not displace
         self._seat_counts: Counter[str | None] | None = None  # _seats(), until the running groups change
@@ -173,6 +180,7 @@ class FairScheduler(DisplacingScheduler):
         if not self.running:
             self._idle_step = self._steps
         self._held, self._paced, self._prompted = self._clients_to_hold(), self._clients_to_pace(), Counter()
+        self._lone = self._slow_starters()
         self.vtc.deferred = frozenset(self._held)
         out = super().schedule()
         if out.is_empty and not out.preempted and (self._held or self._paced):  # the pick did not get in, and
@@ -191,11 +199,42 @@ class FairScheduler(DisplacingScheduler):
             self.vtc.charge(group.client, INPUT_WEIGHT * group.seqs[0].num_prompt_tokens)
 
     def _budget_for(self, group: SequenceGroup, budget: int) -> int:
-        if group.is_decoding or group.client not in self._held | self._paced:
+        if group.is_decoding:
             return budget
         if group.client in self._held:
             return 0
-        return min(budget, PACED_PROMPT_TOKENS - self._prompted[group.client])
+        if group.client in self._paced:
+            return min(budget, PACED_PROMPT_TOKENS - self._prompted[group.client])
+        if group.client in self._lone:  # slow start: 64, 64, 128, 256, 256, ... tokens a step
+            computed = group.seqs[0].num_computed_tokens
+            return min(budget, LONE_PROMPT_TOKENS, max(PACED_PROMPT_TOKENS, computed))
+        return budget
+
+    def _slow_starters(self) -> set[str | None]:
+        """The clients with a single request (its samples count once) whose prompt starts small: the only client
+        about (running, waiting or served within the window: nobody knows yet who comes next), or one whose counter,
+        with that prompt charged, is more than PACED_PROMPT_TOKENS above the least-served other client within its
+        share of the seats (it would be paced from its next step on: `_served_ahead`)."""
+        requests = Counter(g.client for g in self.running)
+        for client, queue in self.vtc.queues.items():
+            requests[client] += len(queue)
+        lone = {c for c, n in requests.items() if n == 1}
+        seats = self._seats()
+        about = seats.keys() | self.vtc.queues.keys() | self._recently_served()
+        if not lone or len(about) == 1:
+            return lone
+        share, counter = self._shares(seats, next(iter(seats), None)), self.vtc.counter
+        within = sorted((c for c in about if seats[c] + self.vtc.num_waiting(c) <= share(c)), key=counter)[:2]
+        margin = INPUT_WEIGHT * PACED_PROMPT_TOKENS
+        return {c for c in lone if (others := [o for o in within if o != c])
+                and counter(c) + INPUT_WEIGHT * self._uncharged_prompt(c) > counter(others[0]) + margin}
+
+    def _uncharged_prompt(self, client: str | None) -> int:
+        """The prompt tokens of `client`'s waiting request that its admission will charge (0 if it was admitted)."""
+        queue = self.vtc.queues.get(client)
+        if not queue or queue[0].num_preemptions:
+            return 0
+        return queue[0].seqs[0].num_prompt_tokens
 
     def _run(self, group: SequenceGroup, writes: Writes, out: SchedulerOutput) -> None:
         if group.client in self._paced and not group.is_decoding:

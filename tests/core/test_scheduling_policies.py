@@ -318,7 +318,8 @@ def test_a_client_over_its_share_prompts_in_short_chunks_while_others_are_about(
 def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alone_for_the_window(monkeypatch):
     """fair: a server that was idle cannot know who comes next: for PACE_WINDOW_STEPS steps a client with more than one
     request computes at most PACED_PROMPT_TOKENS prompt tokens a step (a light request arriving with its first step
-    waits for a short step), then whole prompts again; a lone request (a chat turn, even with n=2) is never chunked."""
+    waits for a short step), then whole prompts again; a lone request (a chat turn, even with n=2) is not paced, but
+    alone on the server it starts small (`test_a_lone_request_starts_its_prompt_small...`)."""
     monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
     monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
     sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
@@ -340,21 +341,63 @@ def test_a_batch_on_an_idle_server_prompts_in_short_chunks_until_it_has_been_alo
         sim.step()
     assert len(sim.finished) == 13
     sim.add(request("chat", 40, 2, client="chat", arrival=90, first=500))  # the server idle again
-    sim.step()
-    assert prompt_tokens(plans[-1], "chat") == 40
-    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    assert lone_prompt_chunks(sim, plans, "chat") == [40]  # heavy, served in the window, is about: chat, the
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)  # least served, whole
     plans = record_plans(sim)
     sim.add(request("chat", 40, 2, n=2, client="chat", arrival=0, first=500))  # a fresh server, 2 samples: one request
+    assert lone_prompt_chunks(sim, plans, "chat") == [8, 8, 16, 8]
+
+
+def lone_prompt_chunks(sim: Sim, plans: list[SchedulerOutput], prefix: str) -> list[int]:
+    """The prompt tokens of `prefix`'s requests in each step until their first token."""
+    chunks: list[int] = []
+    while not chunks or not first_tokens(plans[-1]) & {s.seq.request_id for s in plans[-1].scheduled
+                                                       if s.seq.request_id.startswith(prefix)}:
+        sim.step()
+        chunks.append(prompt_tokens(plans[-1], prefix))
+    return chunks
+
+
+def test_a_lone_request_starts_its_prompt_small_and_a_newcomer_gets_in_after_the_first_chunk(monkeypatch):
+    """fair: a client's only request computes PACED_PROMPT_TOKENS of its prompt, then as many as it has computed, up
+    to LONE_PROMPT_TOKENS a step (a request arriving with it waits for a short step, not the whole prompt's); a light
+    request arriving after its first chunk samples its first token in the next step, the long prompt held for that
+    step and paced while the light client is about; alone again for the window, it goes on in LONE_PROMPT_TOKENS
+    chunks. Under fcfs the same prompt fills the budget."""
+    monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
+    monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
+    monkeypatch.setattr(policies, "LONE_PROMPT_TOKENS", 32)
+    sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("doc0", 100, 2, client="heavy", arrival=0, first=300))
+    assert lone_prompt_chunks(sim, plans, "doc0") == [8, 8, 16, 32, 32, 4]
+    while sim.sched.has_unfinished():
+        sim.step()
+    sim.add(request("doc1", 200, 2, client="heavy", arrival=10, first=600))
     sim.step()
-    assert prompt_tokens(plans[-1], "chat") == 40
+    assert prompt_tokens(plans[-1], "doc1") == 8
+    sim.add(request("light", 8, 2, client="light", arrival=11, first=200))
+    sim.step()
+    assert first_tokens(plans[-1]) == {"light"} and prompt_tokens(plans[-1], "doc1") == 0
+    sim.step()
+    assert prompt_tokens(plans[-1], "doc1") == 8  # paced: served far ahead of the light client, which is about
+    chunks = lone_prompt_chunks(sim, plans, "doc1")
+    assert set(chunks[:4]) == {8} and chunks[-2] == 32  # the light client gone for the window: 32 a step
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sorted(sim.finished) == ["doc0", "doc1", "light"]
+    sim = policy_sim(Scheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
+    plans = record_plans(sim)
+    sim.add(request("doc0", 100, 2, client="heavy", arrival=0, first=300))
+    assert lone_prompt_chunks(sim, plans, "doc0") == [64, 36]
 
 
 def test_a_client_served_far_ahead_prompts_in_short_chunks_even_within_its_seats(monkeypatch):
-    """fair: a client sending long prompts one at a time holds one seat, within its share; once it has been served
+    """fair: a client sending long prompts one at a time holds one seat, within its share; once its prompt puts it
     more than PACED_PROMPT_TOKENS ahead of a light client that is about, its prompt is computed PACED_PROMPT_TOKENS a
     step (a light request arriving meanwhile waits for a short step, not a whole prompt's); the light client, least
     served, computes its longer prompt whole, in a step without the heavy prompt; alone for the window, the heavy
-    prompts go in whole again."""
+    prompt goes on in longer chunks again."""
     monkeypatch.setattr(policies, "PACED_PROMPT_TOKENS", 8)
     monkeypatch.setattr(policies, "PACE_WINDOW_STEPS", 6)
     sim = policy_sim(FairScheduler, num_blocks=256, block_size=4, max_num_seqs=4, budget=64)
@@ -364,7 +407,7 @@ def test_a_client_served_far_ahead_prompts_in_short_chunks_even_within_its_seats
         sim.step()
     sim.add(request("doc0", 40, 2, client="heavy", arrival=10, first=300))
     sim.step()
-    assert prompt_tokens(plans[-1], "doc0") == 40  # served less than the light client so far: whole
+    assert prompt_tokens(plans[-1], "doc0") == 8  # its prompt will put it 40 ahead of the light client: starts small
     while sim.sched.has_unfinished():
         sim.step()
     sim.add(request("doc1", 160, 2, client="heavy", arrival=20, first=400))
