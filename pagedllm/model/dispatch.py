@@ -43,8 +43,9 @@ FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
-# the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision).
-KERNELS_VERSION = "3"
+# the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision; 4: it
+# is timed inside the oneDNN range).
+KERNELS_VERSION = "4"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
@@ -302,16 +303,17 @@ def mean_padding(rows: int) -> float:
 def measure_shapes(weights: dict[str, list[PackedWeight]], table: KernelTable, dtype: torch.dtype,
                    timer: Timer = time_call, budget_s: float = PAD_BUDGET_S) -> None:
     """Decide bounded shapes into `table`: on each kind its route sends to oneDNN (smallest weight first), a matmul
-    at FRESH_ROWS row counts new to this process (cold: a primitive created) and the same call again (warm). A step
-    at a new row count re-creates one primitive per such kind (miss_s); padding costs every step mean_padding's rows
-    at the warm per-row time (pad_s). Past `budget_s` nothing more is timed: the kinds left count at the mean."""
+    at FRESH_ROWS row counts of its oneDNN range (`fresh_rows`) new to this process (cold: a primitive created) and
+    the same call again (warm). A step at a new row count re-creates one primitive per such kind (miss_s); padding
+    costs every step mean_padding's rows at the warm per-row time (pad_s). Past `budget_s` nothing more is timed:
+    the kinds left count at the mean."""
     kinds = [k for k in table.times if any(p == "onednn" for _, p in table.route(k))]
     shift = FRESH_SHIFT * next(_fresh_calls) % 64
     start = time.perf_counter()
     samples: dict[str, list[tuple[float, float]]] = {}  # per kind, (miss, pad) at each row count timed
     for kind in sorted(kinds, key=lambda k: math.prod(weights[k][0].shape)):
         weight = weights[kind][0]
-        for i, rows in enumerate(r + shift for r in FRESH_ROWS):
+        for i, rows in enumerate(r + shift for r in fresh_rows(table.route(kind))):
             if samples and time.perf_counter() - start > budget_s:
                 break
             if i == 0:  # its weight brought as near as a warm call finds it
@@ -324,6 +326,17 @@ def measure_shapes(weights: dict[str, list[PackedWeight]], table: KernelTable, d
     table.pad_s = round(statistics.fmean(pads) * len(kinds), 6) if pads else 0.0
     table.bounded_shapes = table.miss_s > table.pad_s
     table.seconds = round(table.seconds + time.perf_counter() - start, 3)
+
+
+def fresh_rows(route: Route) -> tuple[int, ...]:
+    """FRESH_ROWS inside the route's first oneDNN leg (above the rows a faster kernel takes: a primitive's cost and
+    padding's are what they are where oneDNN runs, e.g. 385 / 407 / 453 rows where the 4-bit kernel takes 362)."""
+    start = 0
+    for limit, path in route:
+        if path == "onednn":
+            return tuple(min((start & ~1) + r, limit) for r in FRESH_ROWS)  # odd: no padded size
+        start = limit
+    return FRESH_ROWS
 
 
 def time_fresh(weight: PackedWeight, kind: str, rows: int, dtype: torch.dtype, timer: Timer) -> tuple[float, float]:

@@ -281,6 +281,16 @@ def test_new_row_counts_are_new_to_the_process(ext):
     assert all(r % 2 and r > 16 and dispatch.padded_rows(r) != r for r in rounds[0] | rounds[1])
 
 
+def test_new_row_counts_are_where_the_route_runs_onednn():
+    """A kind the 4-bit kernel serves up to 362 rows is timed for bounded shapes above 362 rows, where its oneDNN
+    primitives and padding cost what they cost in a step; a route that is oneDNN throughout, at FRESH_ROWS."""
+    int4_first = ((362, "int4"), (BIGGEST, "onednn"))
+    assert dispatch.fresh_rows(int4_first) == tuple(362 + r for r in dispatch.FRESH_ROWS)
+    assert dispatch.fresh_rows(((BIGGEST, "onednn"),)) == dispatch.FRESH_ROWS
+    assert all(r % 2 and dispatch.padded_rows(r) != r for r in dispatch.fresh_rows(((181, "int4"), (400, "onednn"),
+                                                                                  (BIGGEST, "int8"))))
+
+
 def test_the_decision_round_trips_through_the_cache_and_sizes_onednn_before_the_build(ext, tmp_path):
     first = dispatch.tune(weights(ext), torch.float32, "tiny", timer=creation_costing(50.0), variant="a")
     timer = creation_costing(0.0)
