@@ -215,19 +215,28 @@ class FairScheduler(DisplacingScheduler):
         about (running, waiting or served within the window: nobody knows yet who comes next), or one whose counter,
         with that prompt charged, is more than PACED_PROMPT_TOKENS above the least-served other client within its
         share of the seats (it would be paced from its next step on: `_served_ahead`)."""
-        requests = Counter(g.client for g in self.running)
-        for client, queue in self.vtc.queues.items():
-            requests[client] += len(queue)
-        lone = {c for c, n in requests.items() if n == 1}
-        seats = self._seats()
-        about = seats.keys() | self.vtc.queues.keys() | self._recently_served()
+        lone = {c for c, n in self._requests().items() if n == 1}
+        about = self._seats().keys() | self.vtc.queues.keys() | self._recently_served()
         if not lone or len(about) == 1:
             return lone
-        share, counter = self._shares(seats, next(iter(seats), None)), self.vtc.counter
-        within = sorted((c for c in about if seats[c] + self.vtc.num_waiting(c) <= share(c)), key=counter)[:2]
+        counter = self.vtc.counter
+        within = sorted(about - self._over_share(about), key=counter)[:2]
         margin = INPUT_WEIGHT * PACED_PROMPT_TOKENS
         return {c for c in lone if (others := [o for o in within if o != c])
                 and counter(c) + INPUT_WEIGHT * self._uncharged_prompt(c) > counter(others[0]) + margin}
+
+    def _requests(self) -> Counter[str | None]:
+        """Each client's requests running or waiting (a request's samples count once: one n=2 turn is one)."""
+        requests = Counter(g.client for g in self.running)
+        for client, queue in self.vtc.queues.items():
+            requests[client] += len(queue)
+        return requests
+
+    def _over_share(self, clients: set[str | None]) -> set[str | None]:
+        """Of `clients`, those whose running and waiting sequences exceed their share of the seats."""
+        seats = self._seats()
+        share = self._shares(seats, next(iter(seats), None))
+        return {c for c in clients if seats[c] + self.vtc.num_waiting(c) > share(c)}
 
     def _uncharged_prompt(self, client: str | None) -> int:
         """The prompt tokens of `client`'s waiting request that its admission will charge (0 if it was admitted)."""
@@ -328,15 +337,15 @@ class FairScheduler(DisplacingScheduler):
         present, starting = seats.keys() | recent, self._steps - self._idle_step < PACE_WINDOW_STEPS
         if len(present) < 2 and not self.vtc.queues.keys() - seats.keys() and not starting:
             return set()
-        share, clients = self._shares(seats, next(iter(seats), None)), present | self.vtc.queues.keys()
-        over = {c for c in clients if seats[c] + self.vtc.num_waiting(c) > share(c)}
+        clients = present | self.vtc.queues.keys()
+        over = self._over_share(clients)
         ahead = self._served_ahead(clients, clients - over)
         if present - over:
             return over | ahead
         if not starting:
             return ahead
-        requests = Counter(g.client for g in self.running)  # requests, not sequences: one n=2 turn is still alone
-        return ahead | {c for c in clients if requests[c] + len(self.vtc.queues.get(c, ())) > 1}
+        requests = self._requests()
+        return ahead | {c for c in clients if requests[c] > 1}
 
     def _served_ahead(self, clients: set[str | None], within: set[str | None]) -> set[str | None]:
         """The clients whose counter is more than PACED_PROMPT_TOKENS prompt tokens above the least-served one's among

@@ -291,6 +291,16 @@ def test_new_row_counts_are_where_the_route_runs_onednn():
                                                                                   (BIGGEST, "int8"))))
 
 
+def test_bounded_shapes_are_timed_where_the_route_runs_onednn(ext):
+    """qkv runs int8 up to 32 rows and oneDNN above: its new primitives and padding are timed above 32 rows only."""
+    timer = creation_costing(1.0)
+    t = table({"qkv": {"int8": [1.0, 9.0], "onednn": [2.0, 1.0]}}, [1, 1024])
+    assert t.route("qkv") == ((32, "int8"), (BIGGEST, "onednn"))
+    dispatch.measure_shapes(weights(ext), t, torch.float32, timer)
+    timed = {rows for _, path, rows in timer.calls if path == "onednn_cold"}
+    assert len(timed) == len(dispatch.FRESH_ROWS) and min(timed) > 32
+
+
 def test_the_decision_round_trips_through_the_cache_and_sizes_onednn_before_the_build(ext, tmp_path):
     first = dispatch.tune(weights(ext), torch.float32, "tiny", timer=creation_costing(50.0), variant="a")
     timer = creation_costing(0.0)
