@@ -37,20 +37,24 @@ class LatencyCase:
     kv_bytes: int  # of the whole batch's KV cache
 
 
-def plan_case(batch: int, ctx: int, steps: int, warmup: int, budget: int, kv_bytes_per_token: int) -> LatencyCase:
-    """A sequence whose prompt is done decodes while the others still prefill: at most one token per prefill step,
-    and there are at most ceil(batch * ctx / (budget - batch)) + 1 of them."""
+def plan_case(batch: int, ctx: int, steps: int, warmup: int, budget: int, kv_bytes_per_token: int,
+              tokens_per_step: int = 1) -> LatencyCase:
+    """A sequence whose prompt is done decodes while the others still prefill: at most `tokens_per_step` tokens per
+    prefill step (1 + the speculative tokens), and there are at most ceil(batch * ctx / (budget - batch)) + 1 of
+    them; then as many per warm-up and timed step."""
     prefill_steps = math.ceil(batch * ctx / max(1, budget - batch)) + 1
-    tokens = ctx + prefill_steps + warmup + 2 * steps + 2
+    tokens = ctx + tokens_per_step * (prefill_steps + warmup + 2 * steps) + 2
     return LatencyCase(batch, ctx, tokens, batch * tokens * kv_bytes_per_token)
 
 
-def time_steps(engine: Any, steps: int) -> float:
-    """Mean wall ms of `steps` engine steps."""
+def time_steps(engine: Any, steps: int) -> tuple[float, int]:
+    """Mean wall ms of `steps` engine steps, and the output tokens they made (more than one a sequence per step
+    where speculation's proposals are accepted)."""
+    before = engine.num_generated_tokens
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, engine.num_generated_tokens - before
 
 
 def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int) -> dict[str, Any]:
@@ -76,9 +80,9 @@ def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int)
     # each timed step attends over these (every sequence gains one token per step, the warm-up's too)
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in latest.values()) + case.batch * warmup
     time_steps(engine, warmup)
-    step_ms = time_steps(engine, steps)
+    step_ms, made = time_steps(engine, steps)
     with engine.step_timers() as timers:
-        timed_ms = time_steps(engine, steps)
+        timed_ms, _ = time_steps(engine, steps)
     preemptions = engine.stats().preemptions
     if engine.num_running != case.batch or preemptions:
         raise ValueError(f"batch {case.batch} x {case.ctx}: {engine.num_running} sequences running, "
@@ -88,7 +92,7 @@ def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int)
     return {"batch": case.batch, "ctx": case.ctx, "prefill_s": round(prefill_s, 6), "prefill_steps": prefill_steps,
             "prefill_tokens_per_s": round(case.batch * case.ctx / prefill_s, 1),
             "mean_context_len": round(tokens / case.batch + (steps - 1) / 2, 1),
-            "step_ms": round(step_ms, 4), "tokens_per_s": round(case.batch / step_ms * 1e3, 2),
+            "step_ms": round(step_ms, 4), "tokens_per_s": round(made / steps / step_ms * 1e3, 2),
             "timed_step_ms": round(timed_ms, 4), "parts_ms": {p: round(v, 4) for p, v in parts.items()},
             "calls_per_step": {p: timers.calls[p] / steps for p in PARTS}}
 
@@ -179,12 +183,13 @@ def cmd_latency(args: argparse.Namespace) -> int:
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
         "max_num_batched_tokens": base.max_num_batched_tokens, "attention_backend": base.attention_backend,
         "quantization": base.quantization, "kv_cache_dtype": base.kv_cache_dtype,
+        "num_speculative_tokens": base.num_speculative_tokens,
         "machine": {**dataclasses.asdict(machine), "cpus": os.cpu_count(), "arch": platform.machine()},
         "parts": PART_HELP, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "rows": [], "skipped": []}
     for batch in batches:
         for ctx in ctxs:
             case = plan_case(batch, ctx, steps, args.warmup_steps, max(base.max_num_batched_tokens, batch),
-                             kv_bytes_per_block(config, 1, kv_dtype))
+                             kv_bytes_per_block(config, 1, kv_dtype), 1 + base.num_speculative_tokens)
             reason = skip_reason(case, max_model_len, args.max_kv_gib * GIB, pool_tokens)
             if reason:
                 print(f"skipping batch {batch} x context {ctx}: {reason}")
@@ -194,7 +199,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
             row = run_case(engine, case, steps, args.warmup_steps, base.seed)
             int4 = engine.num_int4_matmuls > 0
             row.update(num_blocks=engine.stats().num_total_blocks,
-                       bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine, int4))
+                       bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine, int4,
+                                          kv_bytes_per_block(config, 1, kv_dtype)))
             del engine  # its KV cache goes before the next one is allocated
             gc.collect()
             result["rows"].append(row)
@@ -284,5 +290,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     lt.add_argument("--output-json", default=None)
     lt.add_argument("--plot", default=None, help="PNG of the step's parts, stacked, per batch size and context")
     EngineConfig.add_cli_args(lt)
-    # Unless --num-blocks or --kv-cache-memory is given, each run's KV cache is sized to what it needs.
-    lt.set_defaults(func=cmd_latency, kv_cache_memory=None)
+    # Unless --num-blocks or --kv-cache-memory is given, each run's KV cache is sized to what it needs. A decode step
+    # is one token per sequence unless --num-speculative-tokens asks for speculation (random prompts make the n-gram
+    # proposals of a looping output accepted, so the steps would verify 1 + k rows a sequence).
+    lt.set_defaults(func=cmd_latency, kv_cache_memory=None, num_speculative_tokens=0)

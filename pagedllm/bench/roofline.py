@@ -101,15 +101,21 @@ def weight_bytes(config: Any, dtype: torch.dtype, int4: bool) -> float:
     return layer_params(config) * per_weight + config.vocab_size * config.hidden_size * elem
 
 
+def kv_token_bytes(config: Any, dtype: torch.dtype) -> int:
+    """One token's K and V over every layer, stored in `dtype`."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+
+
 def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: float, machine: Machine,
-                 int4: bool = False) -> dict[str, float]:
+                 int4: bool = False, kv_bytes_per_token: int | None = None) -> dict[str, float]:
     """The fastest a decode step of `batch` sequences holding `context_tokens` tokens in all can run here: every
     linear weight (lm_head included) read once or its FLOPs at peak, whichever is slower, plus the KV cache read.
-    `int4`: the engine has 4-bit layer weights, which it reads instead at up to INT4_MAX_ROWS rows."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    `int4`: the engine has 4-bit layer weights, which it reads instead at up to INT4_MAX_ROWS rows.
+    `kv_bytes_per_token`: the cache's own (a bf16 or int8 cache under an fp32 model); else the model dtype's."""
     params = layer_params(config) + config.vocab_size * config.hidden_size
     weights, flops = weight_bytes(config, dtype, int4 and batch <= INT4_MAX_ROWS), 2 * batch * params
-    kv_bytes = context_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
+    kv_bytes = context_tokens * (kv_bytes_per_token or kv_token_bytes(config, dtype))
     linear_ms = 1e3 * max(weights / (machine.mem_gbps * 1e9), flops / (machine.peak_gflops * 1e9))
     kv_ms = 1e3 * kv_bytes / (machine.mem_gbps * 1e9)
     return {"weight_bytes": round(weights), "linear_flops": flops, "kv_bytes": round(kv_bytes),
@@ -118,17 +124,16 @@ def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: fl
 
 
 def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine,
-                   int4: bool = False) -> dict:
+                   int4: bool = False, kv_bytes_per_token: int | None = None) -> dict:
     """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
     linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
     bandwidth; and never less than the longest output's decode steps, each reading every weight once (4-bit layer
     weights with `int4`: the last steps run few sequences)."""
-    elem = torch.empty((), dtype=dtype).element_size()
     layers, head = layer_params(config), config.vocab_size * config.hidden_size
     prompt, output = sum(p for p, _ in requests), sum(o for _, o in requests)
     flops = 2 * layers * (prompt + output) + 2 * head * output
-    kv_token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * elem
-    kv_read = sum(o * p + o * (o - 1) // 2 for p, o in requests) * kv_token_bytes  # context read per decode
+    kv_read = sum(o * p + o * (o - 1) // 2 for p, o in requests) * (  # context read per decode
+        kv_bytes_per_token or kv_token_bytes(config, dtype))
     compute_s = flops / (machine.peak_gflops * 1e9)
     kv_s = kv_read / (machine.mem_gbps * 1e9)
     steps_s = max((o for _, o in requests), default=0) * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)

@@ -79,11 +79,14 @@ def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
     import torch
 
     from pagedllm.bench.roofline import local_machine, workload_bound
+    from pagedllm.model.model_runner import kv_bytes_per_block
 
     machine = local_machine(config.torch_dtype_name)
     pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
+    kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
     return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
-                          int4=engine.num_int4_matmuls > 0)
+                          int4=engine.num_int4_matmuls > 0,
+                          kv_bytes_per_token=kv_bytes_per_block(engine.model_config, 1, kv_dtype))
 
 
 def hf_throughput(args: argparse.Namespace, config) -> int:

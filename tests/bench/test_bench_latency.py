@@ -37,6 +37,7 @@ def test_latency_json_has_a_row_per_batch_and_context(latency_result):
     assert r["machine"]["peak_gflops"] == FAKE_GFLOPS and r["machine"]["source"].startswith("measured here")
     assert {"model", "dtype", "threads", "machine", "steps", "loadavg_before", "loadavg_after", "skipped"} <= r.keys()
     assert r["steps"] == 3 and not r["skipped"]
+    assert r["num_speculative_tokens"] == 0  # a decode step is one token a sequence unless speculation is asked for
     assert [(row["batch"], row["ctx"]) for row in r["rows"]] == [(1, 32), (1, 64), (8, 32), (8, 64)]
 
 
@@ -64,6 +65,22 @@ def test_latency_rates_and_bounds_are_consistent(latency_result):
         assert b["tokens_per_s"] == pytest.approx(row["batch"] / b["ms"] * 1e3, rel=1e-2)
 
 
+@pytest.mark.slow
+def test_latency_with_speculation_counts_the_tokens_its_steps_make(tmp_path):
+    """Asked for, speculation makes up to 1 + k tokens a sequence a step (the real model's greedy output on random
+    prompts loops, so the proposals are taken): the run is sized for them (it used to end the sequences before the
+    timed steps did and stop with 'the KV cache is too small') and tokens/s counts them. The tiny random model never
+    loops, hence the real one."""
+    with faked_machine(tmp_path):
+        assert main(["bench", "latency", "--batch-sizes", "8", "--context-lens", "128", "--steps", "5",
+                     "--num-speculative-tokens", "4", "--output-json", str(tmp_path / "spec.json")]) == 0
+    r = json.loads((tmp_path / "spec.json").read_text())
+    assert r["num_speculative_tokens"] == 4 and not r["skipped"]
+    (row,) = r["rows"]
+    per_step = row["tokens_per_s"] * row["step_ms"] / 1e3
+    assert 8 * 1.1 < per_step <= 5 * 8 * 1.001
+
+
 def test_decode_bound_counts_weights_flops_and_kv():
     config = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, vocab_size=1000)
@@ -72,6 +89,8 @@ def test_decode_bound_counts_weights_flops_and_kv():
     small = decode_bound(config, torch.float32, 1, 100, machine)
     assert small["weight_bytes"] == 4 * params and small["linear_flops"] == 2 * params
     assert small["kv_bytes"] == 100 * 2 * 2 * 32 * 4
+    bf16_cache = decode_bound(config, torch.float32, 1, 100, machine, kv_bytes_per_token=2 * 2 * 32 * 2)
+    assert bf16_cache["kv_bytes"] == small["kv_bytes"] // 2 and bf16_cache["kv_ms"] == small["kv_ms"] / 2
     assert small["linear_ms"] == pytest.approx(4 * params / 1e9 * 1e3, rel=1e-3)  # memory-bound at batch 1
     big = decode_bound(config, torch.bfloat16, 64, 100, machine)
     assert big["linear_ms"] == pytest.approx(2 * 64 * params / 1e9 * 1e3, rel=1e-3)  # compute-bound
@@ -84,6 +103,8 @@ def test_plan_case_leaves_room_for_decodes_during_prefill():
     case = plan_case(batch=8, ctx=100, steps=5, warmup=2, budget=64, kv_bytes_per_token=10)
     assert case.tokens_per_seq >= 100 + math.ceil(800 / 56) + 2 + 10
     assert case.kv_bytes == 8 * case.tokens_per_seq * 10
+    speculating = plan_case(batch=8, ctx=100, steps=5, warmup=2, budget=64, kv_bytes_per_token=10, tokens_per_step=5)
+    assert speculating.tokens_per_seq >= 100 + 5 * (math.ceil(800 / 56) + 2 + 10)
 
 
 def test_step_timers_replace_nothing_and_turn_off(tiny_model_dir):
