@@ -230,15 +230,15 @@ def faked_machine(folder: Path) -> Iterator[None]:
     machine (seconds of matmuls) or puts fake speeds in the user's cache. The kernel tables stay where they are
     (measuring them in every test would cost seconds each)."""
     from pagedllm.bench import roofline
-    from pagedllm.model import dispatch
+    from pagedllm.model import machine_cache
 
-    real = dispatch.cache_file
+    real = machine_cache.cache_file
 
     def cache_file(key: dict[str, str], prefix: str = "kernels") -> Path:
         return folder / real(key, prefix).name if prefix == roofline.MACHINE_CACHE else real(key, prefix)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dispatch, "cache_file", cache_file)
+        mp.setattr(machine_cache, "cache_file", cache_file)
         mp.setattr(roofline, "measure_peak", fake_peak)
         yield
 

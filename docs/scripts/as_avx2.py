@@ -16,12 +16,12 @@ import tempfile
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read by oneDNN and ATen when torch loads: before any import of torch
 os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 
-import pagedllm.model.dispatch as dispatch  # noqa: E402
 import pagedllm.model.kernels as kernels  # noqa: E402
+import pagedllm.model.machine_cache as machine_cache  # noqa: E402
 
 kernels._CFLAGS = ["-O3", "-march=haswell", "-fopenmp"]  # part of the build's name: a build of its own
-os.environ[dispatch.CACHE_ENV] = os.path.join(tempfile.gettempdir(), "pagedllm-as-avx2")
-_identity = dispatch.cpu_identity
+os.environ[machine_cache.CACHE_ENV] = os.path.join(tempfile.gettempdir(), "pagedllm-as-avx2")
+_identity = machine_cache.cpu_identity
 
 
 def identity_without_avx512() -> tuple[str, str]:
@@ -29,7 +29,7 @@ def identity_without_avx512() -> tuple[str, str]:
     return f"{name} (as AVX2)", " ".join(f for f in flags.split() if "avx512" not in f and "amx" not in f)
 
 
-dispatch.cpu_identity = identity_without_avx512
+machine_cache.cpu_identity = identity_without_avx512
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.model import dispatch
+from pagedllm.model import dispatch, machine_cache
 from pagedllm.model.layers import PackedWeight
 from pagedllm.model.model_runner import ModelRunner, kernel_variant
 
@@ -74,9 +74,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if table is None:
         print(f"{dispatch.FORCE_ENV} is set: nothing measured")
         return 1
-    kept = (f"cached at {dispatch.cache_file(table.key)}" if dispatch.cacheable(table)
+    kept = (f"cached at {machine_cache.cache_file(table.key)}" if dispatch.cacheable(table)
             else "not cached: the machine was busy")
-    print(f"{name}, {dtype}, {torch.get_num_threads()} threads, {dispatch.cpu_identity()[0]}, load "
+    print(f"{name}, {dtype}, {torch.get_num_threads()} threads, {machine_cache.cpu_identity()[0]}, load "
           f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s ({kept}); times per call, the fastest "
           f"of {dispatch.SAMPLES}")
     print_table(table)

@@ -1,6 +1,6 @@
 """The machine's limit: peak matmul and memory speed, and what they allow a decode step or a whole workload (a
 roofline estimate that benchmarks print beside what they measured). The speeds are this machine's: measured once per
-CPU model, ISA flags, threads and torch, and cached beside the kernel table (model/dispatch.py's key and folder)."""
+CPU model, ISA flags, threads and torch, and cached beside the kernel table (model/machine_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.model import dispatch
+from pagedllm.model import machine_cache
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
 
 ASSUMED_MEM_GBPS = 20.0  # bench latency's bandwidth beside a --peak-gflops given by hand (nothing measured then)
@@ -66,19 +66,19 @@ def measure_peak(dtype_name: str) -> dict[str, float]:
 def local_machine(dtype_name: str, refresh: bool = False, measure: Measure | None = None) -> Machine:
     """This machine's peak matmul rate in `dtype_name` and copy bandwidth: cached for its CPU model, ISA flags,
     threads and torch, else measured here (about a second in fp32) and cached unless other processes took a quarter
-    of a core or more meanwhile (dispatch's rule for its kernel table: such a figure is a time slice's, not the
+    of a core or more meanwhile (machine_cache's rule, the kernel table's too: such a figure is a time slice's, not the
     machine's)."""
-    key = {**dispatch.machine_key(), "measure": "roofline", "dtype": dtype_name}
-    file = dispatch.cache_file(key, MACHINE_CACHE)
-    cached = None if refresh else dispatch.load_json(file, key)
+    key = {**machine_cache.machine_key(), "measure": "roofline", "dtype": dtype_name}
+    file = machine_cache.cache_file(key, MACHINE_CACHE)
+    cached = None if refresh else machine_cache.load_json(file, key)
     if cached is not None and isinstance(cached.get("measured"), dict):
         measured, source = cached["measured"], f"measured here earlier, cached at {file}"
         return Machine(measured[f"{dtype_name}_gflops"], measured["copy_gbps"], measured, source)
-    start = dispatch.cpu_sample()
+    start = machine_cache.cpu_sample()
     measured = (measure or measure_peak)(dtype_name)
-    load, others = dispatch.machine_load(), round(dispatch.others_since(start), 2)
-    if dispatch.quiet(load, others):
-        dispatch.save_json(file, {"key": key, "measured": measured, "others_cpu": others})
+    load, others = machine_cache.machine_load(), round(machine_cache.others_since(start), 2)
+    if machine_cache.quiet(load, others):
+        machine_cache.save_json(file, {"key": key, "measured": measured, "others_cpu": others})
         source = f"measured here, cached at {file}"
     else:
         source = f"measured here while other processes used {others:.2f} CPUs, not cached"

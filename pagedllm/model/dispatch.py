@@ -7,13 +7,11 @@ PAGEDLLM_KERNEL forces a path (or `static`, the hand-tuned cut-offs) for experim
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import logging
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -22,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.model import machine_cache
 from pagedllm.model.layers import BIGGEST, PackedWeight, Route, padded_rows
-from pagedllm.model.threads import TAKEN_CORE, CpuSample, affinity, others_cpu, read_cpu_sample
 
 logger = logging.getLogger("pagedllm")
 
@@ -41,7 +39,6 @@ TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numeric
 BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
-CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
 # the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision; 4: it
 # is timed inside the oneDNN range).
@@ -138,7 +135,7 @@ def primitive_cache_capacity(unpadded: int, dtype: torch.dtype, model_name: str,
     on = pad_override()
     if on is None:
         wanted = prebuild_key(dtype, model_name, variant)
-        table = load(cache_file(wanted), wanted)
+        table = load(machine_cache.cache_file(wanted), wanted)
         on = table is not None and table.bounded_shapes
     return PADDED_CACHE_CAPACITY if on else unpadded
 
@@ -149,34 +146,10 @@ def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
     return dtype_flag == "auto" and dtype == torch.float32
 
 
-def cpu_identity() -> tuple[str, str]:
-    """The CPU's model name and its ISA flags (from /proc/cpuinfo)."""
-    name, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == platform.processor():
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
-    except OSError:
-        pass
-    return name, flags
-
-
-def machine_key() -> dict[str, str]:
-    """What any measurement here holds for: CPU model, ISA flags, threads and torch (bench/roofline.py keys its peak
-    matmul rate by it too)."""
-    cpu, flags = cpu_identity()
-    return {"cpu": cpu, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": str(torch.get_num_threads()),
-            "torch": torch.__version__}
-
-
 def prebuild_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, str]:
     """The part of a table's key known before the model is built: the machine, the kernels' version, the model, its
     dtype and `variant` (the engine flags that choose its weights' forms)."""
-    return {**machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
+    return {**machine_cache.machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
             "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(BUCKETS)}
 
 
@@ -188,45 +161,8 @@ def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_
     return {**prebuild_key(dtype, model_name, variant), "shapes": json.dumps(shapes, sort_keys=True)}
 
 
-def prebuild_part(key: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in key.items() if k != "shapes"}
-
-
-def cache_file(key: dict[str, str], prefix: str = "kernels") -> Path:
-    """Named by the key's part known before the build, so the engine finds the bounded-shapes decision in time to
-    size oneDNN's cache (primitive_cache_capacity)."""
-    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
-    digest = hashlib.sha256(json.dumps(prebuild_part(key), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"{prefix}-{digest}.json"
-
-
-def machine_load() -> float:
-    """Other processes on the cores make every timing a time slice's, not the kernel's: such a table is not kept."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
-
-
-def cpu_sample() -> CpuSample | None:
-    return read_cpu_sample(affinity())
-
-
-def others_since(start: CpuSample | None) -> float:
-    """The CPUs' worth of time other processes used on ours since `start` (the thread governor's count): the load
-    average lags a neighbour that just started by up to a minute, and a table measured beside one holds its timing,
-    not the kernels'."""
-    end = cpu_sample()
-    return 0.0 if start is None or end is None or end.wall <= start.wall else others_cpu(start, end)
-
-
 def cacheable(table: KernelTable) -> bool:
-    return quiet(table.load, table.others_cpu)
-
-
-def quiet(load: float, others: float) -> bool:
-    """Measured with no other process holding TAKEN_CORE of a core (the governor's threshold) or more."""
-    return load <= (os.cpu_count() or 1) and others < TAKEN_CORE
+    return machine_cache.quiet(table.load, table.others_cpu)
 
 
 def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
@@ -383,7 +319,7 @@ def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
 def load(path: Path, key: dict[str, str]) -> KernelTable | None:
     """The table cached at `path` if it was measured for `key` (or, a key without "shapes": for its part known before
     the build)."""
-    data = load_json(path, key, ignore=() if "shapes" in key else ("shapes",))
+    data = machine_cache.load_json(path, key, ignore=() if "shapes" in key else ("shapes",))
     try:
         return None if data is None else KernelTable(**data)
     except TypeError:
@@ -391,30 +327,7 @@ def load(path: Path, key: dict[str, str]) -> KernelTable | None:
 
 
 def save(path: Path, table: KernelTable) -> None:
-    save_json(path, asdict(table))
-
-
-def load_json(path: Path, key: dict[str, str], ignore: tuple[str, ...] = ()) -> dict | None:
-    """A cached measurement, if its file is there, readable and measured for `key` (its "key" field, but for the
-    fields in `ignore`)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
-        return None
-    return data if {k: v for k, v in data["key"].items() if k not in ignore} == key else None
-
-
-def save_json(path: Path, data: dict) -> None:
-    """Written whole or not at all (another process may be reading or writing it too)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("could not cache a measurement at %s: %s", path, e)
+    machine_cache.save_json(path, asdict(table))
 
 
 def set_padding(weights: dict[str, list[PackedWeight]], padded: bool) -> None:
@@ -439,15 +352,16 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         logger.info("kernels: %s=%s, not measured; %s", FORCE_ENV, forced, shapes)
         return None
     key = table_key(weights, dtype, model_name, variant)
-    file = cache_file(key)
+    file = machine_cache.cache_file(key)
     table = None if refresh else load(file, key)
     how = f"read from {file}"
     if table is None:
-        start = cpu_sample()
+        start = machine_cache.cpu_sample()
         with torch.inference_mode():
             table = measure(weights, dtype, timer)
             measure_shapes(weights, table, dtype, timer)
-        table.key, table.load, table.others_cpu = key, machine_load(), round(others_since(start), 2)
+        others = round(machine_cache.others_since(start), 2)
+        table.key, table.load, table.others_cpu = key, machine_cache.machine_load(), others
         how = f"measured in {table.seconds:.1f} s, cached at {file}"
         if not cacheable(table):
             how = (f"measured in {table.seconds:.1f} s at load {table.load:.1f} while other processes used "

@@ -1,5 +1,6 @@
 """The machine-limit estimate's speeds come from this machine: measured once per CPU model, ISA flags, threads and
-torch (dispatch's key), cached beside the kernel table, and said where they came from. Fake measurements, no timing."""
+torch (machine_cache.machine_key), cached beside the kernel table, and said where they came from. Fake
+measurements, no timing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm.bench import roofline
-from pagedllm.model import dispatch
+from pagedllm.model import machine_cache
 
 pytestmark = pytest.mark.usefixtures("fake_machine")  # each test its own cache folder
 
@@ -27,8 +28,8 @@ class FakeMeasure:
 
 @pytest.fixture
 def quiet(monkeypatch):
-    monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
-    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.0)
+    monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
 
 
 def test_measured_once_then_read_from_the_cache(quiet):
@@ -46,18 +47,18 @@ def test_keyed_by_dtype_and_machine(quiet, monkeypatch):
     measure = FakeMeasure()
     roofline.local_machine("float32", measure=measure)
     assert roofline.local_machine("bfloat16", measure=measure).peak_gflops == 302.0  # its own entry
-    key = dispatch.machine_key()
+    key = machine_cache.machine_key()
     for field, other in (("cpu", "another CPU"), ("isa", "0" * 16), ("threads", "7"), ("torch", "0.0")):
-        monkeypatch.setattr(dispatch, "machine_key", lambda field=field, other=other: {**key, field: other})
+        monkeypatch.setattr(machine_cache, "machine_key", lambda field=field, other=other: {**key, field: other})
         assert roofline.local_machine("float32", measure=measure).source.startswith("measured here, cached"), field
     assert len(measure.calls) == 6
-    monkeypatch.setattr(dispatch, "machine_key", lambda: dict(key))
+    monkeypatch.setattr(machine_cache, "machine_key", lambda: dict(key))
     assert roofline.local_machine("float32", measure=measure).peak_gflops == 301.0  # the first one, still there
 
 
 def test_a_busy_measurement_is_used_but_not_cached(monkeypatch):
-    monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
-    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.6)
+    monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.6)
     measure = FakeMeasure()
     busy = roofline.local_machine("float32", measure=measure)
     assert busy.peak_gflops == 301.0 and "not cached" in busy.source
@@ -67,8 +68,8 @@ def test_a_busy_measurement_is_used_but_not_cached(monkeypatch):
 
 def test_a_foreign_or_broken_cache_file_is_measured_again(quiet):
     measure = FakeMeasure()
-    key = {**dispatch.machine_key(), "measure": "roofline", "dtype": "float32"}
-    file = dispatch.cache_file(key, roofline.MACHINE_CACHE)
+    key = {**machine_cache.machine_key(), "measure": "roofline", "dtype": "float32"}
+    file = machine_cache.cache_file(key, roofline.MACHINE_CACHE)
     file.parent.mkdir(parents=True, exist_ok=True)
     for text in ("not json", '{"key": {"cpu": "other"}, "measured": {"float32_gflops": 1, "copy_gbps": 1}}'):
         file.write_text(text)

@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model import dispatch, kernels
+from pagedllm.model import dispatch, kernels, machine_cache
 from pagedllm.model.layers import BIGGEST, Int8Weight, PackedWeight, linear, padded_rows, static_route
 
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """Each test its own cache folder, nothing forced, an idle machine."""
-    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(machine_cache.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     monkeypatch.delenv(dispatch.PAD_ENV, raising=False)
     monkeypatch.delenv(dispatch.CAPACITY_ENV, raising=False)  # oneDNN's own 1,024: room for bounded shapes
-    monkeypatch.setattr(dispatch, "machine_load", lambda: 0.0)
-    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.0)
+    monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
     yield
 
 
@@ -136,7 +136,7 @@ def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, 
 
 
 def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_path):
-    monkeypatch.setattr(dispatch, "machine_load", lambda: 64.0)
+    monkeypatch.setattr(machine_cache, "machine_load", lambda: 64.0)
     dispatch.tune(weights(ext), torch.float32, "tiny",
                   timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
     assert not list((tmp_path / "cache").glob("kernels-*.json"))
@@ -144,11 +144,11 @@ def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_pa
 
 def test_a_table_measured_while_others_held_the_cores_is_not_kept(ext, monkeypatch, tmp_path, caplog):
     """The load average lags a neighbour that just started; the CPU time others used meanwhile does not."""
-    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.9)
+    monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.9)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         dispatch.tune(weights(ext), torch.float32, "tiny", timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
     assert not list((tmp_path / "cache").glob("kernels-*.json")) and "other processes used 0.90 CPUs" in caplog.text
-    monkeypatch.setattr(dispatch, "others_since", lambda start: 0.1)  # below a quarter of a core: kept
+    monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.1)  # below a quarter of a core: kept
     dispatch.tune(weights(ext), torch.float32, "tiny", timer=FakeTimer({"int8": 1.0, "onednn": 2.0}))
     assert len(list((tmp_path / "cache").glob("kernels-*.json"))) == 1
 
