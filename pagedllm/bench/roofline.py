@@ -4,6 +4,7 @@ CPU model, ISA flags, threads and torch, and cached beside the kernel table (mod
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,11 +125,12 @@ def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: fl
 
 
 def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine,
-                   int4: bool = False, kv_bytes_per_token: int | None = None) -> dict:
+                   int4: bool = False, kv_bytes_per_token: int | None = None, tokens_per_step: int = 1) -> dict:
     """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
     linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
     bandwidth; and never less than the longest output's decode steps, each reading every weight once (4-bit layer
-    weights with `int4`: the last steps run few sequences)."""
+    weights with `int4`: the last steps run few sequences), at most `tokens_per_step` tokens a step (1 + the
+    speculative tokens: a step may accept them all)."""
     layers, head = layer_params(config), config.vocab_size * config.hidden_size
     prompt, output = sum(p for p, _ in requests), sum(o for _, o in requests)
     flops = 2 * layers * (prompt + output) + 2 * head * output
@@ -136,7 +138,8 @@ def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, in
         kv_bytes_per_token or kv_token_bytes(config, dtype))
     compute_s = flops / (machine.peak_gflops * 1e9)
     kv_s = kv_read / (machine.mem_gbps * 1e9)
-    steps_s = max((o for _, o in requests), default=0) * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
+    steps = math.ceil(max((o for _, o in requests), default=0) / tokens_per_step)
+    steps_s = steps * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
     bound_s = max(compute_s + kv_s, steps_s)
     return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "source": machine.source,
             "compute_s": round(compute_s, 2),

@@ -84,9 +84,11 @@ def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
     machine = local_machine(config.torch_dtype_name)
     pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
     kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
+    scheduler = config.scheduler_config
     return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
                           int4=engine.num_int4_matmuls > 0,
-                          kv_bytes_per_token=kv_bytes_per_block(engine.model_config, 1, kv_dtype))
+                          kv_bytes_per_token=kv_bytes_per_block(engine.model_config, 1, kv_dtype),
+                          tokens_per_step=1 + (scheduler.num_speculative_tokens if scheduler.speculates else 0))
 
 
 def hf_throughput(args: argparse.Namespace, config) -> int:

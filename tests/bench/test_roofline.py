@@ -83,6 +83,19 @@ def test_the_estimate_says_where_its_speeds_come_from():
     assert bound["source"] == "assumed (--peak-gflops)" and bound["peak_gflops"] == 100.0
 
 
+def test_the_longest_outputs_steps_count_speculations_tokens():
+    """A step may accept 1 + k tokens, so the longest output needs ceil(out / (1 + k)) weight reads at the least: the
+    estimate stays a bound a speculating run cannot pass (single stream read 156-177% of the old one)."""
+    machine = roofline.Machine(1e9, 1e-6)  # compute free, 1 KB/s: the tiny weights take seconds a read
+    plain = roofline.workload_bound(_config(), torch.float32, [(10, 128)], machine)
+    speculating = roofline.workload_bound(_config(), torch.float32, [(10, 128)], machine, tokens_per_step=5)
+    weights = roofline.weight_bytes(_config(), torch.float32, False) / 1e3
+    assert weights > 1
+    assert plain["longest_output_steps_s"] == round(128 * weights, 2)
+    assert speculating["longest_output_steps_s"] == round(26 * weights, 2)  # ceil(128 / 5)
+    assert speculating["bound_s"] < plain["bound_s"] == plain["longest_output_steps_s"]
+
+
 def _config() -> SimpleNamespace:
     return SimpleNamespace(num_attention_heads=2, num_key_value_heads=1, head_dim=4, hidden_size=8,
                            intermediate_size=16, num_hidden_layers=2, vocab_size=32)
