@@ -200,7 +200,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
             int4 = engine.num_int4_matmuls > 0
             row.update(num_blocks=engine.stats().num_total_blocks,
                        bound=decode_bound(config, dtype, batch, row["mean_context_len"] * batch, machine, int4,
-                                          kv_bytes_per_block(config, 1, kv_dtype)))
+                                          kv_bytes_per_block(config, 1, kv_dtype), engine.int8_lm_head))
             del engine  # its KV cache goes before the next one is allocated
             gc.collect()
             result["rows"].append(row)

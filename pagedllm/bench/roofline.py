@@ -94,12 +94,12 @@ def layer_params(config: Any) -> int:
     return config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
 
 
-def weight_bytes(config: Any, dtype: torch.dtype, int4: bool) -> float:
+def weight_bytes(config: Any, dtype: torch.dtype, int4: bool, int8_head: bool = False) -> float:
     """Bytes a step reads for the weights: the layers' in 4 bits plus a scale and min per group when the int4
-    kernel serves them, else in the dtype; the lm_head always in the dtype."""
+    kernel serves them, else in the dtype; the lm_head in the dtype, or a byte a weight where it has an int8 form."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_weight = Int4Weight.BYTES_PER_WEIGHT if int4 else elem
-    return layer_params(config) * per_weight + config.vocab_size * config.hidden_size * elem
+    return layer_params(config) * per_weight + config.vocab_size * config.hidden_size * (1 if int8_head else elem)
 
 
 def kv_token_bytes(config: Any, dtype: torch.dtype) -> int:
@@ -109,13 +109,15 @@ def kv_token_bytes(config: Any, dtype: torch.dtype) -> int:
 
 
 def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: float, machine: Machine,
-                 int4: bool = False, kv_bytes_per_token: int | None = None) -> dict[str, float]:
+                 int4: bool = False, kv_bytes_per_token: int | None = None, int8_head: bool = False,
+                 ) -> dict[str, float]:
     """The fastest a decode step of `batch` sequences holding `context_tokens` tokens in all can run here: every
     linear weight (lm_head included) read once or its FLOPs at peak, whichever is slower, plus the KV cache read.
     `int4`: the engine has 4-bit layer weights, which it reads instead at up to INT4_MAX_ROWS rows.
-    `kv_bytes_per_token`: the cache's own (a bf16 or int8 cache under an fp32 model); else the model dtype's."""
+    `kv_bytes_per_token`: the cache's own (a bf16 or int8 cache under an fp32 model); else the model dtype's.
+    `int8_head`: the lm_head has an int8 form (weight_bytes)."""
     params = layer_params(config) + config.vocab_size * config.hidden_size
-    weights, flops = weight_bytes(config, dtype, int4 and batch <= INT4_MAX_ROWS), 2 * batch * params
+    weights, flops = weight_bytes(config, dtype, int4 and batch <= INT4_MAX_ROWS, int8_head), 2 * batch * params
     kv_bytes = context_tokens * (kv_bytes_per_token or kv_token_bytes(config, dtype))
     linear_ms = 1e3 * max(weights / (machine.mem_gbps * 1e9), flops / (machine.peak_gflops * 1e9))
     kv_ms = 1e3 * kv_bytes / (machine.mem_gbps * 1e9)
@@ -125,7 +127,8 @@ def decode_bound(config: Any, dtype: torch.dtype, batch: int, context_tokens: fl
 
 
 def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, int]], machine: Machine,
-                   int4: bool = False, kv_bytes_per_token: int | None = None, tokens_per_step: int = 1) -> dict:
+                   int4: bool = False, kv_bytes_per_token: int | None = None, tokens_per_step: int = 1,
+                   int8_head: bool = False) -> dict:
     """A machine-limit estimate for an offline workload of (prompt tokens, output tokens) requests: every token's
     linear FLOPs (the lm_head for output tokens only) at peak, plus each decode's read of its context's K/V at memory
     bandwidth; and never less than the longest output's decode steps, each reading every weight once (4-bit layer
@@ -139,7 +142,7 @@ def workload_bound(config: Any, dtype: torch.dtype, requests: list[tuple[int, in
     compute_s = flops / (machine.peak_gflops * 1e9)
     kv_s = kv_read / (machine.mem_gbps * 1e9)
     steps = math.ceil(max((o for _, o in requests), default=0) / tokens_per_step)
-    steps_s = steps * weight_bytes(config, dtype, int4) / (machine.mem_gbps * 1e9)
+    steps_s = steps * weight_bytes(config, dtype, int4, int8_head) / (machine.mem_gbps * 1e9)
     bound_s = max(compute_s + kv_s, steps_s)
     return {"peak_gflops": machine.peak_gflops, "mem_gbps": machine.mem_gbps, "source": machine.source,
             "compute_s": round(compute_s, 2),

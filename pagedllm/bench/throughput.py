@@ -88,7 +88,8 @@ def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
     return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
                           int4=engine.num_int4_matmuls > 0,
                           kv_bytes_per_token=kv_bytes_per_block(engine.model_config, 1, kv_dtype),
-                          tokens_per_step=1 + (scheduler.num_speculative_tokens if scheduler.speculates else 0))
+                          tokens_per_step=1 + (scheduler.num_speculative_tokens if scheduler.speculates else 0),
+                          int8_head=engine.int8_lm_head)
 
 
 def hf_throughput(args: argparse.Namespace, config) -> int:

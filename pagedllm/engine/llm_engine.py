@@ -229,6 +229,11 @@ class LLMEngine:
         """Matmuls that run the checkpoint's 4-bit weights as stored (for small steps)."""
         return self.runner.model.num_int4_matmuls
 
+    @property
+    def int8_lm_head(self) -> bool:
+        """The lm_head has an int8 form (VNNI, its top candidates rescored), for the steps its route gives it."""
+        return "lm_head" in self.runner.model.int8
+
     def wait_for_kv_cache(self, timeout: float | None = None) -> bool:
         """Wait until the KV pool's memory is mapped (a background thread maps it from start-up, so that no step
         faults pages in); a benchmark starts its clock after this, as vLLM's after zero-filling its cache."""

@@ -94,6 +94,8 @@ def test_decode_bound_counts_weights_flops_and_kv():
     assert small["linear_ms"] == pytest.approx(4 * params / 1e9 * 1e3, rel=1e-3)  # memory-bound at batch 1
     big = decode_bound(config, torch.bfloat16, 64, 100, machine)
     assert big["linear_ms"] == pytest.approx(2 * 64 * params / 1e9 * 1e3, rel=1e-3)  # compute-bound
+    int8_head = decode_bound(config, torch.float32, 1, 100, machine, int8_head=True)  # a byte a head weight
+    assert int8_head["weight_bytes"] == small["weight_bytes"] - 3 * 1000 * 64
     int4 = decode_bound(config, torch.bfloat16, 1, 100, machine, int4=True)  # layers: 4 bits + fp16 scale, min
     assert int4["weight_bytes"] == round((params - 1000 * 64) * (0.5 + 4 / 32) + 1000 * 64 * 2)
     assert decode_bound(config, torch.bfloat16, 64, 100, machine, int4=True) == big  # the int4 kernel: few rows only
