@@ -231,7 +231,7 @@ class LLMEngine:
 
     @property
     def int8_lm_head(self) -> bool:
-        """The lm_head has an int8 form (VNNI, its top candidates rescored), for the steps its route gives it."""
+        """The lm_head was built with an int8 form (VNNI, top candidates rescored) that its route may give steps."""
         return "lm_head" in self.runner.model.int8
 
     def wait_for_kv_cache(self, timeout: float | None = None) -> bool:
