@@ -36,7 +36,8 @@ COLD_MAX_ROWS = 256
 COLD_WEIGHTS = 8
 PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
-BUDGET_S = 2.5  # the first start's measuring stops here; bigger row counts keep the last winner
+BUDGET_S = 2.5  # the first start's measuring stops here; then the biggest row count is timed once (ANCHOR_SAMPLES)
+ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
@@ -78,14 +79,16 @@ class KernelTable:
 
     def winners(self, kind: str) -> list[str]:
         """The fastest path at each row count (oneDNN on a TIE); where none was timed (one path left, or out of
-        budget), the last winner, or oneDNN. A lone row count between two won by another path goes with them."""
-        won, last = [], "onednn"
+        budget), the nearest timed row count's winner (the smaller on a tie), or oneDNN. A lone row count between two
+        won by another path goes with them."""
+        timed_won: dict[int, str] = {}
         for i in range(len(self.buckets[kind])):
             timed = {p: t[i] for p, t in self.times[kind].items() if t[i] is not None}
             if timed:
-                last = min(timed, key=timed.__getitem__)
-                last = "onednn" if timed.get("onednn", math.inf) <= timed[last] * (1 + TIE) else last
-            won.append(last)
+                best = min(timed, key=timed.__getitem__)
+                timed_won[i] = "onednn" if timed.get("onednn", math.inf) <= timed[best] * (1 + TIE) else best
+        won = [timed_won[min(timed_won, key=lambda j: (abs(j - i), j))] if timed_won else "onednn"
+               for i in range(len(self.buckets[kind]))]
         for i in range(1, len(won) - 1):  # one row count alone between two of another path's: noise, not a range
             won[i] = won[i - 1] if won[i - 1] == won[i + 1] else won[i]
         return won
@@ -131,12 +134,13 @@ def capacity_in_force() -> int:
 def primitive_cache_capacity(unpadded: int, dtype: torch.dtype, model_name: str, variant: str = "") -> int:
     """oneDNN's primitive cache size, set before oneDNN's first primitive (the model's build, before any measuring):
     room for every bounded shape where PAGEDLLM_PAD_ROWS=1 or this machine's cached table for the model decided
-    them, else `unpadded`. At a first start nothing is decided yet: today's cache, and the decision from the next."""
+    them, `unpadded` where it decided against. At a first start (no table: a fresh machine, or a container whose
+    cache folder does not persist) the room too, so that this process pads if its own measurement decides so."""
     on = pad_override()
     if on is None:
         wanted = prebuild_key(dtype, model_name, variant)
         table = load(machine_cache.cache_file(wanted), wanted)
-        on = table is not None and table.bounded_shapes
+        on = table is None or table.bounded_shapes
     return PADDED_CACHE_CAPACITY if on else unpadded
 
 
@@ -179,9 +183,9 @@ def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
 def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
             budget_s: float = BUDGET_S) -> KernelTable:
     """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
-    only the biggest; a kind with one path is not timed. A row count whose times do not fit the one before (twice
-    the rows in under 2/3 of the time, or in over 3x: a neighbour's load, not the kernel) is timed again, with the
-    one before, and each keeps its fastest."""
+    only the biggest, whose last is then timed once (anchor_biggest); a kind with one path is not timed. A row count
+    whose times do not fit the one before (twice the rows in under 2/3 of the time, or in over 3x: a neighbour's
+    load, not the kernel) is timed again, with the one before, and each keeps its fastest."""
     start = time.perf_counter()
     buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
     times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
@@ -190,6 +194,7 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
     for i in range(len(BUCKETS)):
         for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
             if time.perf_counter() - start > budget_s:
+                anchor_biggest(weights, buckets, alive, dtype, timer, times)
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
             time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
             if i > 0 and not plausible(times[kind], buckets[kind], alive[kind], i):
@@ -199,15 +204,27 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
     return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
 
 
+def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],
+                   alive: dict[str, list[str]], dtype: torch.dtype, timer: Timer,
+                   times: dict[str, dict[str, list[float | None]]]) -> None:
+    """Out of budget: each kind's biggest row count, if untimed, once per path still compared. Without it the last
+    small row count's winner took every bigger batch (a small-batch kernel where, on AMX, oneDNN's tiles win)."""
+    for kind, paths in alive.items():
+        last = len(buckets[kind]) - 1
+        if len(paths) > 1 and all(times[kind][p][last] is None for p in paths):
+            time_bucket(weights[kind], kind, buckets[kind], last, paths, dtype, timer, times[kind], ANCHOR_SAMPLES)
+
+
 def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: int, paths: list[str],
-                dtype: torch.dtype, timer: Timer, times: dict[str, list[float | None]]) -> None:
-    """Time `paths` at row count buckets[i], interleaved, one warm-up then SAMPLES; keep each one's fastest."""
+                dtype: torch.dtype, timer: Timer, times: dict[str, list[float | None]],
+                samples_per_path: int = SAMPLES) -> None:
+    """Time `paths` at row count buckets[i], interleaved, one warm-up then the samples; keep each one's fastest."""
     rows = buckets[i]
     group = weights[:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
     x = torch.randn(rows, group[0].shape[1]).to(dtype)
     runs = {p: functools.partial(_run, group, x, p) for p in paths}
     samples: dict[str, list[float]] = {p: [] for p in runs}
-    for _ in range(SAMPLES + 1):
+    for _ in range(samples_per_path + 1):
         for p, run in runs.items():
             samples[p].append(timer(kind, p, rows, run))
     for p, s in samples.items():

@@ -70,12 +70,37 @@ def test_a_route_takes_each_winner_up_to_the_geometric_midpoint():
     assert island.winners("lm_head") == ["int8"] * 4  # one row count alone: noise
 
 
-def test_a_row_count_not_timed_keeps_the_last_winner():
-    """Out of budget, or every other path pruned: the last timed winner serves the bigger batches."""
+def test_a_row_count_not_timed_takes_the_nearest_timed_winner():
+    """Every other path pruned: the last timed winner serves the bigger batches. Out of budget with the biggest row
+    count timed (the anchor), the untimed ones between go to the nearer of the two (the smaller on a tie)."""
     t = table({"qkv": {"int8": [1, 1, None], "onednn": [2, 2, None]}, "o": {"onednn": [None, None, None]}},
               [1, 2, 4])
     assert t.route("qkv") == ((BIGGEST, "int8"),)
     assert t.route("o") == ((BIGGEST, "onednn"),)
+    cut = table({"qkv": {"int4": [1, 1, None, None, None, None, 9], "onednn": [2, 2, None, None, None, None, 3]}},
+                [1, 2, 4, 8, 16, 32, 64])
+    assert cut.winners("qkv") == ["int4"] * 4 + ["onednn"] * 3  # by distance in the table: 8 rows nearer 2, 16 64
+    assert cut.route("qkv") == ((11, "int4"), (BIGGEST, "onednn"))
+
+
+def test_a_spent_budget_still_times_the_biggest_row_count(ext, monkeypatch):
+    """On AMX, the 4-bit kernel wins the small batches and oneDNN's tiles the big ones: a budget spent after the
+    small row counts must not hand the big batches to the small-batch kernel. The biggest row count is timed once
+    (one warm-up, ANCHOR_SAMPLES samples) per path still compared."""
+    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
+    w = weights(ext, layers=1)
+    clock = iter(range(1000))
+    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: float(next(clock)))  # a second per look
+
+    class Amx(FakeTimer):  # int8 here stands for the small-batch kernel
+        def __call__(self, kind, path, rows, run):
+            super().__call__(kind, path, rows, run)
+            return {"int8": 1.0, "onednn": 4.0}[path] if rows < 64 else {"int8": 90.0, "onednn": 10.0}[path]
+    timer = Amx({"int8": 0.0, "onednn": 0.0})
+    t = dispatch.measure(w, torch.float32, timer, budget_s=2.5)
+    assert ("qkv", "int8", 8) in timer.calls and ("qkv", "int8", 64) not in timer.calls  # the budget cut at 64
+    assert timer.calls["qkv", "onednn", 512] == timer.calls["qkv", "int8", 512] == dispatch.ANCHOR_SAMPLES + 1
+    assert t.winners("qkv") == ["int8", "int8", "int8", "onednn"]  # 64 rows: as near 8 as 512, so the smaller's
 
 
 def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
@@ -311,8 +336,18 @@ def test_the_decision_round_trips_through_the_cache_and_sizes_onednn_before_the_
         first.bounded_shapes, first.miss_s, first.pad_s, first.onednn_kinds) == (True, 50.0, first.pad_s, ["o"])
     # found before the weights exist (the model's build creates oneDNN's first primitive); per model and variant
     assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny", "a") == dispatch.PADDED_CACHE_CAPACITY
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=creation_costing(0.0), variant="b")  # decided off
     assert dispatch.primitive_cache_capacity(32, torch.float32, "tiny", "b") == 32
-    assert dispatch.primitive_cache_capacity(32, torch.float32, "other", "a") == 32
+
+
+def test_a_first_start_leaves_room_for_its_own_decision(ext, monkeypatch):
+    """Nothing cached (a fresh machine, or a container whose cache folder is new at every start): oneDNN's cache is
+    sized for bounded shapes before the build, so the measurement's decision takes effect in this very process."""
+    assert dispatch.primitive_cache_capacity(32, torch.float32, "never-measured") == dispatch.PADDED_CACHE_CAPACITY
+    monkeypatch.setenv(dispatch.CAPACITY_ENV, str(dispatch.primitive_cache_capacity(32, torch.float32, "fresh")))
+    w = weights(ext)
+    t = dispatch.tune(w, torch.float32, "fresh", timer=creation_costing(50.0))
+    assert t.bounded_shapes and padded_weights(w) == {True}
 
 
 def test_bounded_shapes_wait_for_a_cache_that_holds_them(ext, monkeypatch, caplog):
