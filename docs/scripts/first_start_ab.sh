@@ -10,7 +10,7 @@ python=${PYTHON:-python}
 for round in $(seq 1 "$rounds"); do
     for tree in "$@"; do
         cache=$(mktemp -d)
-        out=$(cd /tmp && PAGEDLLM_CACHE_DIR=$cache PYTHONPATH=$tree "$python" -m pagedllm.entrypoints.cli bench \
+        out=$(cd /tmp && PAGEDLLM_CACHE_DIR=$cache PYTHONPATH=$tree "$python" -m pagedllm.entrypoints.cli --log-level INFO bench \
             throughput --dataset file --dataset-path "$workload" --num-prompts "$(wc -l < "$workload")" \
             --threads 2 2>&1)
         echo "round $round $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg) $tree:" \
