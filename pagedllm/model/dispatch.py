@@ -36,7 +36,7 @@ COLD_MAX_ROWS = 256
 COLD_WEIGHTS = 8
 PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
-BUDGET_S = 2.2  # the first start's measuring stops here; then the biggest row count is timed once (ANCHOR_SAMPLES)
+BUDGET_S = 2.5  # the first start's measuring stops here, the biggest row count's once-over (ANCHOR_SAMPLES) included
 ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
@@ -181,19 +181,19 @@ def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
 
 
 def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
-            budget_s: float = BUDGET_S) -> KernelTable:
+            budget_s: float | None = None) -> KernelTable:
     """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
     only the biggest, whose last is then timed once (anchor_biggest); a kind with one path is not timed. A row count
     whose times do not fit the one before (twice the rows in under 2/3 of the time, or in over 3x: a neighbour's
     load, not the kernel) is timed again, with the one before, and each keeps its fastest."""
-    start = time.perf_counter()
+    start, budget_s = time.perf_counter(), BUDGET_S if budget_s is None else budget_s
     buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
     times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
              for kind, ws in weights.items()}
     alive = {kind: list(paths) for kind, paths in times.items() if len(paths) > 1}
     for i in range(len(BUCKETS)):
         for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
-            if time.perf_counter() - start > budget_s:
+            if time.perf_counter() - start + anchor_cost(weights, buckets, alive, times) > budget_s:
                 anchor_biggest(weights, buckets, alive, dtype, timer, times)
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
             time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
@@ -202,6 +202,20 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
                     time_bucket(weights[kind], kind, buckets[kind], j, alive[kind], dtype, timer, times[kind])
             alive[kind] = [p for p in alive[kind] if not falling_behind(times[kind], p, i)]
     return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
+
+
+def anchor_cost(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],
+                alive: dict[str, list[str]], times: dict[str, dict[str, list[float | None]]]) -> float:
+    """What anchor_biggest would take now: each kind's biggest row count at its last timed one's time per row."""
+    total = 0.0
+    for kind, paths in alive.items():
+        rows = buckets[kind]
+        timed = [j for j in range(len(rows)) if all(times[kind][p][j] is not None for p in paths)]
+        if len(paths) > 1 and timed and timed[-1] < len(rows) - 1:
+            group = len(weights[kind][:COLD_WEIGHTS if rows[-1] <= COLD_MAX_ROWS else 1])
+            scale = (ANCHOR_SAMPLES + 1) * group * rows[-1] / rows[timed[-1]]
+            total += scale * sum(times[kind][p][timed[-1]] for p in paths)
+    return total
 
 
 def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],

@@ -6,6 +6,7 @@ a new primitive's cost against padding's, or PAGEDLLM_PAD_ROWS). No timing asser
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 
 import pytest
@@ -25,6 +26,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(dispatch.CAPACITY_ENV, raising=False)  # oneDNN's own 1,024: room for bounded shapes
     monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
+    monkeypatch.setattr(dispatch, "BUDGET_S", math.inf)  # fake times are no seconds: the budget tests pass their own
     yield
 
 
@@ -95,12 +97,24 @@ def test_a_spent_budget_still_times_the_biggest_row_count(ext, monkeypatch):
     class Amx(FakeTimer):  # int8 here stands for the small-batch kernel
         def __call__(self, kind, path, rows, run):
             super().__call__(kind, path, rows, run)
-            return {"int8": 1.0, "onednn": 4.0}[path] if rows < 64 else {"int8": 90.0, "onednn": 10.0}[path]
+            fast = {"int8": 1.0, "onednn": 4.0} if rows < 64 else {"int8": 90.0, "onednn": 10.0}
+            return fast[path] * 1e-6
     timer = Amx({"int8": 0.0, "onednn": 0.0})
     t = dispatch.measure(w, torch.float32, timer, budget_s=2.5)
     assert ("qkv", "int8", 8) in timer.calls and ("qkv", "int8", 64) not in timer.calls  # the budget cut at 64
     assert timer.calls["qkv", "onednn", 512] == timer.calls["qkv", "int8", 512] == dispatch.ANCHOR_SAMPLES + 1
     assert t.winners("qkv") == ["int8", "int8", "int8", "onednn"]  # 64 rows: as near 8 as 512, so the smaller's
+
+
+def test_the_budget_holds_the_biggest_row_count_it_will_time(ext, monkeypatch):
+    """The once-over of the biggest row count is projected from the last one timed (its time per row), so the whole
+    measurement stays within the budget: here 1 row takes 1 s a path, 512 rows would take 512 s, so after the first
+    row count nothing but the anchor is timed."""
+    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
+    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: 0.0)  # no time passes: only the projection counts
+    timer = FakeTimer({"int8": 1.0, "onednn": 1.0})
+    dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=100.0)
+    assert {rows for _, _, rows in timer.calls} == {1, 512}
 
 
 def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
