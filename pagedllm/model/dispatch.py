@@ -183,9 +183,10 @@ def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
 def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
             budget_s: float | None = None) -> KernelTable:
     """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
-    only the biggest, whose last is then timed once (anchor_biggest); a kind with one path is not timed. A row count
-    whose times do not fit the one before (twice the rows in under 2/3 of the time, or in over 3x: a neighbour's
-    load, not the kernel) is timed again, with the one before, and each keeps its fastest."""
+    only the biggest, whose last is then timed once (anchor_biggest); the budget holds both, as projected from the
+    times so far (over_budget). A kind with one path is not timed. A row count whose times do not fit the one before
+    (twice the rows in under 2/3 of the time, or in over 3x: a neighbour's load, not the kernel) is timed again,
+    with the one before, and each keeps its fastest."""
     start, budget_s = time.perf_counter(), BUDGET_S if budget_s is None else budget_s
     buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
     times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
@@ -193,7 +194,7 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
     alive = {kind: list(paths) for kind, paths in times.items() if len(paths) > 1}
     for i in range(len(BUCKETS)):
         for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
-            if time.perf_counter() - start + anchor_cost(weights, buckets, alive, times) > budget_s:
+            if over_budget(weights, buckets, alive, times, kind, i, budget_s - (time.perf_counter() - start)):
                 anchor_biggest(weights, buckets, alive, dtype, timer, times)
                 return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
             time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
@@ -204,18 +205,31 @@ def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: T
     return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
 
 
-def anchor_cost(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],
-                alive: dict[str, list[str]], times: dict[str, dict[str, list[float | None]]]) -> float:
-    """What anchor_biggest would take now: each kind's biggest row count at its last timed one's time per row."""
+def projected(weights: list[PackedWeight], rows: list[int], i: int, paths: list[str],
+              times: dict[str, list[float | None]], samples_per_path: int) -> float:
+    """What timing `paths` at rows[i] would take: each on the line through its last two timed row counts below i (a
+    small call's time is mostly its fixed cost, so no proportion to its rows); 0 before any was timed."""
+    timed = [j for j in range(i) if all(times[p][j] is not None for p in paths)]
+    if not timed:
+        return 0.0
+    group = len(weights[:COLD_WEIGHTS if rows[i] <= COLD_MAX_ROWS else 1])
     total = 0.0
-    for kind, paths in alive.items():
-        rows = buckets[kind]
-        timed = [j for j in range(len(rows)) if all(times[kind][p][j] is not None for p in paths)]
-        if len(paths) > 1 and timed and timed[-1] < len(rows) - 1:
-            group = len(weights[kind][:COLD_WEIGHTS if rows[-1] <= COLD_MAX_ROWS else 1])
-            scale = (ANCHOR_SAMPLES + 1) * group * rows[-1] / rows[timed[-1]]
-            total += scale * sum(times[kind][p][timed[-1]] for p in paths)
+    for p in paths:
+        last = times[p][timed[-1]]
+        slope = 0.0 if len(timed) < 2 else max(0.0, (last - times[p][timed[-2]]) / (rows[timed[-1]] - rows[timed[-2]]))
+        total += (samples_per_path + 1) * group * (last + slope * (rows[i] - rows[timed[-1]]))
     return total
+
+
+def over_budget(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]], alive: dict[str, list[str]],
+                times: dict[str, dict[str, list[float | None]]], kind: str, i: int, left_s: float) -> bool:
+    """Whether timing `kind` at row count i, and then every kind's biggest (anchor_biggest), would pass `left_s`."""
+    cost = projected(weights[kind], buckets[kind], i, alive[kind], times[kind], SAMPLES)
+    for other, paths in alive.items():
+        last = len(buckets[other]) - 1
+        if len(paths) > 1 and times[other][paths[0]][last] is None and (other, last) != (kind, i):
+            cost += projected(weights[other], buckets[other], last, paths, times[other], ANCHOR_SAMPLES)
+    return cost > left_s
 
 
 def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],

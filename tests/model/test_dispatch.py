@@ -106,15 +106,19 @@ def test_a_spent_budget_still_times_the_biggest_row_count(ext, monkeypatch):
     assert t.winners("qkv") == ["int8", "int8", "int8", "onednn"]  # 64 rows: as near 8 as 512, so the smaller's
 
 
-def test_the_budget_holds_the_biggest_row_count_it_will_time(ext, monkeypatch):
-    """The once-over of the biggest row count is projected from the last one timed (its time per row), so the whole
-    measurement stays within the budget: here 1 row takes 1 s a path, 512 rows would take 512 s, so after the first
-    row count nothing but the anchor is timed."""
+@pytest.mark.parametrize("budget, timed, at_512", [(2571, {1, 8, 512}, dispatch.ANCHOR_SAMPLES + 1),
+                                                    (2573, {1, 8, 64, 512}, dispatch.ANCHOR_SAMPLES + 1),
+                                                    (5000, {1, 8, 64, 512}, dispatch.SAMPLES + 1)])
+def test_the_budget_holds_the_row_count_it_times_and_the_biggest(ext, monkeypatch, budget, timed, at_512):
+    """Before each row count the engine projects what it and the biggest row count's once-over would take, on the
+    line through the last two timed (a call here costs 1 s plus 1 s a row: after 1 and 8 rows, 64 rows' four calls a
+    path 4 x 65 x 2 = 520 s, 512 rows' two 2 x 513 x 2 = 2,052 s), and stops where they pass the budget."""
     monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
     monkeypatch.setattr(dispatch.time, "perf_counter", lambda: 0.0)  # no time passes: only the projection counts
-    timer = FakeTimer({"int8": 1.0, "onednn": 1.0})
-    dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=100.0)
-    assert {rows for _, _, rows in timer.calls} == {1, 512}
+    timer = FakeTimer({"int8": 1.0, "onednn": 1.0}, fixed={"int8": 1.0, "onednn": 1.0})
+    dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=budget)
+    assert {rows for _, _, rows in timer.calls} == timed
+    assert timer.calls["qkv", "int8", 512] == timer.calls["qkv", "onednn", 512] == at_512
 
 
 def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
