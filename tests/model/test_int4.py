@@ -93,7 +93,7 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
 def f32_kernel():
     ext = kernels.load()
     if not Int4Weight.kernel_available(torch.float32, ext):
-        pytest.skip("no fp32 4-bit kernel on this CPU (it needs AVX-512F)")
+        pytest.skip("no fp32 4-bit kernel on this CPU (it needs AVX-512F, or AVX2 and FMA)")
     return ext
 
 

@@ -14,6 +14,8 @@
 //   - more rows (bound by FMAs): a tile's whole panel (K inputs x 64 outputs) is dequantized once per call into a
 //     per-thread buffer the L2 holds, then blocks of 6 rows run 6 x 4 zmm accumulators (24 FMAs per k) over all
 //     of K; the threads share half tiles, so a tile that does not share evenly runs as two halves (6 x 2).
+// On CPUs with AVX2 and FMA but no AVX-512 (int4_f32_avx2.h) the same schedules run on 8-float vectors, in blocks
+// that fit 16 registers, with the same arithmetic: the same sums, bit for bit.
 //
 // Layout (Int4Weight packs it): output columns in tiles of 64, each two halves of 32; inputs in groups of 32:
 //   packed [N/64, K/32, 2, 32, 16] uint8: byte b of [t, g, h, k] = q[64t + 32h + b, 32g + k]
@@ -36,6 +38,20 @@ constexpr int64_t kTile = 64, kHalf = 32, kGroup = int4_args::kGroup, kNarrowRow
 constexpr int64_t kHalfBytes = kGroup * 16;  // one half tile's nibbles for one group
 constexpr int64_t kPrefetchGroups = 3;  // how far ahead narrow_half fetches (2-4 measured alike, 1 and 6 less)
 
+#if (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
+#define PAGEDLLM_INT4_F32 1
+// A later group's nibbles, scales and mins of half h, fetched while this one is computed. A few rows leave the
+// loads idle between FMAs and the hardware prefetcher does not run far enough ahead on its own: with it, the model's
+// 1-row matmuls in a step's order read their 4-bit weights 1.2-1.3x faster (docs/performance-log.md, 2026-11-27).
+inline void prefetch_group(const uint8_t* p, const at::Half* sc, const at::Half* mn, int64_t g, int64_t h) {
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < kHalfBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc + g * kTile + h * kHalf), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mn + g * kTile + h * kHalf), _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__F16C__)
 constexpr bool kSupported = true;
 
@@ -54,17 +70,6 @@ struct HalfGroup {
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d1, m1);
   }
 };
-
-// A later group's nibbles, scales and mins of half h, fetched while this one is computed. A few rows leave the
-// loads idle between FMAs and the hardware prefetcher does not run far enough ahead on its own: with it, the model's
-// 1-row matmuls in a step's order read their 4-bit weights 1.2-1.3x faster (docs/performance-log.md, 2026-11-27).
-inline void prefetch_group(const uint8_t* p, const at::Half* sc, const at::Half* mn, int64_t g, int64_t h) {
-#pragma GCC unroll 8
-  for (int64_t line = 0; line < kHalfBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(sc + g * kTile + h * kHalf), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(mn + g * kTile + h * kHalf), _MM_HINT_T0);
-}
 
 // R rows (R <= kNarrowRows) x one half tile over all of K. Every output is one chain of FMAs over k in order, as in
 // wide_rows: a row gives the same sums alone as in any batch.
@@ -154,6 +159,12 @@ constexpr NarrowHalf kNarrowHalf[kNarrowRows + 1] = {nullptr, narrow_half<1>, na
                                                      narrow_half<4>, narrow_half<5>, narrow_half<6>, narrow_half<7>,
                                                      narrow_half<8>};
 
+// M rows (M <= kNarrowRows) x half h of a tile.
+void narrow_rows(int64_t M, const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h,
+                 const float* x, int64_t K, int64_t G, float* out, int64_t N) {
+  kNarrowHalf[M](packed, sc, mn, h, x, K, G, out, N);
+}
+
 // All M rows of x against halves [h0, h1) of a tile (`out` at its first column), through its dequantized panel.
 void wide_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, const float* x, int64_t K, int64_t G,
                int64_t h0, int64_t h1, int64_t M, float* out, int64_t N, float* w) {
@@ -161,6 +172,9 @@ void wide_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, co
   for (int64_t r = 0; r < M; r += kBlockRows)
     kWideRows[h1 - h0 - 1][std::min(kBlockRows, M - r)](w + h0 * kHalf, x + r * K, K, out + r * N + h0 * kHalf, N);
 }
+#elif defined(PAGEDLLM_INT4_F32)
+constexpr bool kSupported = true;
+#include "int4_f32_avx2.h"
 #else
 constexpr bool kSupported = false;
 #endif
@@ -171,13 +185,13 @@ bool int4_linear_f32_supported() { return kSupported; }
 
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins) {
-  TORCH_CHECK(kSupported, "int4_linear_f32 needs AVX-512F and F16C (this build has no such instructions)");
+  TORCH_CHECK(kSupported, "int4_linear_f32 needs AVX-512F, or AVX2 and FMA, and F16C (this build has none)");
   const int4_args::Dims dims = int4_args::check(x, at::kFloat, "float32", packed, {2, kGroup, 16},
                                                 "[N/64, K/32, 2, 32, 16]", scales, mins, kTile);
   const int64_t T = dims.T, G = dims.G, M = dims.M, K = dims.K, N = dims.N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(PAGEDLLM_INT4_F32)
   const float* xp = x.data_ptr<float>();
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
@@ -188,7 +202,8 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
     at::parallel_for(0, 2 * T, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / 2;
-        kNarrowHalf[M](pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, i % 2, xp, K, G, op + t * kTile, N);
+        narrow_rows(M, pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, i % 2, xp, K, G, op + t * kTile,
+                    N);
       }
     });
     return out;
