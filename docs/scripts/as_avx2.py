@@ -1,6 +1,7 @@
 """Run another docs script as a CPU without AVX-512 would: pagedllm's C++ kernels built for haswell (AVX2, FMA, F16C:
-their generic paths), oneDNN and ATen capped at AVX2, and a kernel table of its own (keyed as a CPU without the
-avx512 flags, in its own cache folder unless PAGEDLLM_CACHE_DIR names one). An approximation of an AVX2-only machine (the caches and memory are this one's):
+their AVX2 or generic paths), oneDNN and ATen capped at AVX2, and a kernel table of its own (keyed as a CPU without the
+avx512 flags, in its own cache folder unless PAGEDLLM_CACHE_DIR names one). An approximation of an AVX2-only
+machine (the caches and memory are this one's):
 
     python docs/scripts/as_avx2.py docs/scripts/kv_cache_dtype_ab.py fp32-cache
     python docs/scripts/as_avx2.py docs/scripts/kv_cache_dtype_ab.py default

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import threading
 from pathlib import Path
@@ -54,6 +55,15 @@ def build_error() -> str | None:
 def cpu_has_amx() -> bool:
     """AMX tiles: oneDNN's bf16 matmuls run on them, several times faster than any AVX-512 kernel here."""
     return "amx_bf16" in _cpu_flags()
+
+
+def int8_products_exact() -> bool:
+    """Whether oneDNN's int8 matmul (torch._int_mm) and int8_gemm are exact here: with VNNI (or AMX) a u8 x s8 pair
+    sums into int32. Without it oneDNN pairs them into int16 with saturation (vpmaddubsw): on AVX2 alone, or with
+    ONEDNN_MAX_CPU_ISA capped below VNNI, random int8 products came out up to 20% off (docs/performance-log.md)."""
+    flags = _cpu_flags().split()
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2")
+    return not capped and any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def _cpu_flags() -> str:

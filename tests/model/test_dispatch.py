@@ -32,7 +32,12 @@ def own_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ext():
-    return kernels.load() or pytest.skip(f"kernels did not build: {kernels.build_error()}")
+    """The int8 kernel (VNNI) is the fake timings' second path: CPUs without VNNI run no int8 (their products would
+    saturate), so the dispatch's tests skip there."""
+    ext = kernels.load() or pytest.skip(f"kernels did not build: {kernels.build_error()}")
+    if not (ext.int8_gemm_supported() and kernels.int8_products_exact()):
+        pytest.skip("no VNNI here: no int8 path to time")
+    return ext
 
 
 class FakeTimer:
@@ -255,10 +260,36 @@ def test_the_engine_logs_its_kernels(tiny_model_dir, caplog, tmp_path):
     assert list((tmp_path / "cache").glob("kernels-*.json"))
 
 
+def test_a_cpu_without_vnni_runs_no_int8(tiny_model_dir, monkeypatch):
+    """Without VNNI oneDNN's int8 products saturate (vpmaddubsw's int16 pairs): `auto` keeps the lm_head in its
+    plain form, and `--quantization w8a8` is refused at start-up with why, not run with wrong sums."""
+    from pagedllm import config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)  # auto: fp32, where the lm_head may go int8
+    monkeypatch.setattr(kernels, "int8_products_exact", lambda: False)
+    llm = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
+    assert llm.engine.runner.model.lm_head_weight.int8 is None and not llm.engine.runner.model.int8
+    with pytest.raises(ValueError, match="VNNI"):
+        LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1, quantization="w8a8")
+
+
+def test_int8_products_are_exact_only_with_vnni(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx2 fma f16c")
+    assert not kernels.int8_products_exact()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : avx2 avx_vnni")
+    assert kernels.int8_products_exact()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN capped below VNNI: its int8 products saturate again
+    assert not kernels.int8_products_exact()
+
+
 def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_dir, monkeypatch):
     """Where `--dtype auto` is fp32 (no fast bf16), the lm_head's int8 form is a candidate, its top candidates
     rescored in fp32: greedy tokens equal an explicit float32 engine's, which keeps no int8 form at all."""
     from pagedllm import SamplingParams, config
+
+    if not kernels.int8_products_exact():
+        pytest.skip("no VNNI here: the engine runs no int8")
 
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setenv(dispatch.FORCE_ENV, "int8")

@@ -22,6 +22,11 @@ from pagedllm.model.layers import (
 )
 
 
+def skip_unless_int8_exact() -> None:
+    if not kernels.int8_products_exact():
+        pytest.skip("no VNNI here: oneDNN's int8 products saturate (the engine runs no int8 on such CPUs)")
+
+
 @pytest.fixture(scope="module")
 def ext():
     ext = kernels.load()
@@ -349,6 +354,7 @@ def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dty
     which stays within a few hundredths of the float product for well-spread values; the same from the int8_gemm
     kernel and from the torch._int_mm fallback, whether that runs over all output columns at once or a block of
     columns at a time."""
+    skip_unless_int8_exact()
     if path == "kernel":
         if not ext.int8_gemm_supported():
             pytest.skip("no AVX512-VNNI on this CPU")
@@ -473,6 +479,7 @@ def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
 def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
     """Int8Weight serves any [out, in]: the kernel for inputs in groups of 4 (any out: the last panel is padded),
     torch._int_mm otherwise."""
+    skip_unless_int8_exact()
     w = torch.randn(70, inputs, generator=torch.Generator().manual_seed(3))
     weight = Int8Weight(w, ext)
     assert (weight.packed is not None) is (inputs % 4 == 0 and ext.int8_gemm_supported())
@@ -488,6 +495,7 @@ def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dty
     """With outliers=k, the k input channels largest in the call are multiplied in full precision and the rest in
     int8 with a per-row scale that no longer has to hold them: exactly that sum, and far closer to the float product
     than plain w8a8 when a few channels run 20x the others (as in the model's hidden state)."""
+    skip_unless_int8_exact()
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(48, 64, generator=gen).to(dtype), torch.randn(7, 64, generator=gen)
     x[:, [3, 40]] *= 20

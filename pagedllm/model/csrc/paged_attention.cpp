@@ -401,6 +401,16 @@ __attribute__((always_inline)) inline void pv_bf16(float* O, int64_t D, const fl
 
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include "attention_avx2.h"  // dot_rows and pv_rows in 8-float vectors
+#else
+// q . k over D values (D % 16 == 0).
+inline float dot_rows(const float* q, const float* k, int64_t D) {
+  v16 a = vload(q) * vload(k);
+  for (int64_t d = 16; d < D; d += 16) a += vload(q + d) * vload(k + d);
+  return hsum(a);
+}
+
 // 16 fp32 values of a V row, from fp32 or (converted in registers) bf16.
 inline v16 load16(const float* p) { return vload(p); }
 inline v16 load16(const at::BFloat16* p) {
@@ -458,6 +468,7 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
     }
   }
 }
+#endif
 
 // Scores S[row][t] of one chunk, token-major over fp32 rows: each token's K rows (all kv heads of the item) are
 // converted once and dotted with every query row of their group. Rows whose query precedes key t get -inf.
@@ -481,10 +492,7 @@ void chunk_scores_f32(const Problem<kv_t>& P, const WorkItem& w, const float* q,
         const bool visible = c0 + t <= first_pos + ii;
         for (int64_t j = 0; j < G; ++j) {
           const int64_t row = (gi * R + ii) * G + j;
-          const float* qr = q + row * D;
-          v16 a = vload(qr) * vload(kr);
-          for (int64_t d = 16; d < D; d += 16) a += vload(qr + d) * vload(kr + d);
-          S[row * kRowsChunk + t] = visible ? hsum(a) : kNegInf;
+          S[row * kRowsChunk + t] = visible ? dot_rows(q + row * D, kr, D) : kNegInf;
         }
       }
     }
