@@ -62,7 +62,7 @@ def int8_products_exact() -> bool:
     sums into int32. Without it oneDNN pairs them into int16 with saturation (vpmaddubsw): on AVX2 alone, or with
     ONEDNN_MAX_CPU_ISA capped below VNNI, random int8 products came out up to 20% off (docs/performance-log.md)."""
     flags = _cpu_flags().split()
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2")
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX512_CORE")
     return not capped and any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
