@@ -227,7 +227,7 @@ def over_budget(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[
     cost = projected(weights[kind], buckets[kind], i, alive[kind], times[kind], SAMPLES)
     for other, paths in alive.items():
         last = len(buckets[other]) - 1
-        if len(paths) > 1 and times[other][paths[0]][last] is None and (other, last) != (kind, i):
+        if len(paths) > 1 and all(times[other][p][last] is None for p in paths) and (other, last) != (kind, i):
             cost += projected(weights[other], buckets[other], last, paths, times[other], ANCHOR_SAMPLES)
     return cost > left_s
 
