@@ -29,12 +29,14 @@ PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_ge
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
-# Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, as a step reads
-# them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over oneDNN at 64 rows was in
-# those first reads, docs/scripts/linear_cold_weights.py); beyond, where the arithmetic dominates, on one.
+# Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, other layers at each
+# sample, as a step reads them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over
+# oneDNN at 64 rows was in those first reads, docs/scripts/linear_cold_weights.py; on a 32 MB cache, 8 layers read
+# again hid the 4-bit form's lead at 1-8 rows, docs/scripts/step_order_paths.py); beyond, where the arithmetic
+# dominates, on one.
 COLD_MAX_ROWS = 256
 COLD_WEIGHTS = 8
-PRUNE = 2.0  # a path this much slower than the winner, and falling further behind, is not timed at bigger row counts
+PRUNE = 2.0  # a path this much slower than oneDNN, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
 BUDGET_S = 2.5  # the first start's measuring stops here, the biggest row count's once-over (ANCHOR_SAMPLES) included
 ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
@@ -42,8 +44,8 @@ FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
 # the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision; 4: it
-# is timed inside the oneDNN range).
-KERNELS_VERSION = "4"
+# is timed inside the oneDNN range; 5: each sample on other layers' weights).
+KERNELS_VERSION = "5"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
@@ -248,16 +250,24 @@ def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: i
                 samples_per_path: int = SAMPLES) -> None:
     """Time `paths` at row count buckets[i], interleaved, one warm-up then the samples; keep each one's fastest."""
     rows = buckets[i]
-    group = weights[:COLD_WEIGHTS if rows <= COLD_MAX_ROWS else 1]
-    x = torch.randn(rows, group[0].shape[1]).to(dtype)
-    runs = {p: functools.partial(_run, group, x, p) for p in paths}
-    samples: dict[str, list[float]] = {p: [] for p in runs}
-    for _ in range(samples_per_path + 1):
-        for p, run in runs.items():
-            samples[p].append(timer(kind, p, rows, run))
+    groups = sample_groups(weights, rows, samples_per_path + 1)
+    x = torch.randn(rows, weights[0].shape[1]).to(dtype)
+    samples: dict[str, list[float]] = {p: [] for p in paths}
+    for group in groups:
+        for p in paths:
+            samples[p].append(timer(kind, p, rows, functools.partial(_run, group, x, p)) / len(group))
     for p, s in samples.items():
-        best = min(s[1:]) / len(group)
+        best = min(s[1:])
         times[p][i] = best if times[p][i] is None else min(times[p][i], best)
+
+
+def sample_groups(weights: list[PackedWeight], rows: int, count: int) -> list[list[PackedWeight]]:
+    """The weights each of `count` samples runs on: up to COLD_MAX_ROWS, COLD_WEIGHTS layers, the next ones at each
+    sample (wrapping), so no sample finds its weights where an earlier one of the same path left them; beyond, one."""
+    if rows > COLD_MAX_ROWS:
+        return [weights[:1]] * count
+    n = min(COLD_WEIGHTS, len(weights))
+    return [[weights[(s * n + j) % len(weights)] for j in range(n)] for s in range(count)]
 
 
 def plausible(times: dict[str, list[float | None]], buckets: list[int], paths: list[str], i: int) -> bool:
@@ -267,11 +277,13 @@ def plausible(times: dict[str, list[float | None]], buckets: list[int], paths: l
 
 
 def falling_behind(times: dict[str, list[float | None]], path: str, i: int) -> bool:
-    """Over PRUNE x the winner at row count i and further behind than at the one before: a small-batch kernel past
-    its range (int8's fixed costs shrink with rows instead, so it stays). oneDNN, the fallback, always stays."""
+    """Over PRUNE x oneDNN (the fallback, which always stays) at row count i and further behind it than at the one
+    before: a small-batch kernel past its range (int8's fixed costs shrink with rows instead, so it stays). Not the
+    winner's: at 1-4 rows, reading a third of the bytes, the 4-bit kernel is 2.3x faster than bf16_gemm, which from 16
+    rows wins."""
     def ratio(j: int) -> float:
-        timed = [t[j] for t in times.values() if t[j] is not None]
-        return times[path][j] / min(timed) if times[path][j] is not None else math.inf
+        mine, fallback = times[path][j], times["onednn"][j]
+        return mine / fallback if mine is not None and fallback is not None else math.inf
     return path != "onednn" and i > 0 and ratio(i) > PRUNE and ratio(i) > ratio(i - 1)
 
 

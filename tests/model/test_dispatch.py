@@ -144,6 +144,29 @@ def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, mon
     assert t.route("qkv") == ((BIGGEST, "onednn"),)
 
 
+def test_a_path_is_pruned_by_its_distance_to_onednn_not_to_the_winner():
+    """bf16_gemm 2.3x behind the 4-bit kernel at 1-2 rows (a third of the bytes) but ahead of oneDNN goes on to the
+    row counts it wins; the 4-bit kernel past 2x oneDNN's time, and falling further behind, stops."""
+    small = {"int4": [1.0, 1.0], "bf16_gemm": [2.3, 2.4], "onednn": [3.0, 3.1]}
+    assert not dispatch.falling_behind(small, "bf16_gemm", 1)
+    big = {"int4": [3.0, 7.0], "bf16_gemm": [2.0, 3.5], "onednn": [2.0, 3.0]}
+    assert dispatch.falling_behind(big, "int4", 1) and not dispatch.falling_behind(big, "bf16_gemm", 1)
+    assert not dispatch.falling_behind(big, "onednn", 1)
+
+
+def test_each_sample_runs_on_weights_no_earlier_sample_touched():
+    """Up to COLD_MAX_ROWS a sample's weights are other layers than the samples before it (a step reads each layer
+    once, from memory), wrapping round the model's layers; bigger calls run on one weight."""
+    layers = [PackedWeight(PLAIN) for _ in range(30)]
+    groups = dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS, 3)
+    ids = [[id(w) for w in g] for g in groups]
+    assert all(len(g) == dispatch.COLD_WEIGHTS for g in ids)
+    assert len({i for g in ids for i in g}) == 3 * dispatch.COLD_WEIGHTS  # 24 distinct of 30
+    assert dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS, 4)[3][-2:] == layers[:2]  # wrapped
+    assert dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS + 1, 2) == [layers[:1]] * 2
+    assert dispatch.sample_groups(layers[:2], 1, 2) == [layers[:2], layers[:2]]
+
+
 def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatch):
     """A neighbour's load stalls the samples of one row count: 8 rows slower than 16 makes both be timed again, and
     the stall does not decide the winner."""
