@@ -21,7 +21,8 @@ PATHS = ("int4", "bf16_gemm", "onednn")
 ROUNDS = 9
 llm = LLM(kv_cache_memory="256MiB")
 layers = llm.engine.runner.model.layers
-dtype = layers[0].qkv_weight.int4.dtype if layers[0].qkv_weight.int4 is not None else torch.bfloat16
+dtype = llm.engine.runner.model.dtype  # the activations' dtype: bfloat16, or float32 on CPUs without fast bf16
+PATHS = tuple(p for p in PATHS if p in layers[0].qkv_weight.paths())  # no bf16_gemm form in an fp32 model
 
 
 def step_pass(rows: int, path: str, xs: dict[str, torch.Tensor], spent: dict[str, list[float]]) -> None:
@@ -39,7 +40,7 @@ def step_pass(rows: int, path: str, xs: dict[str, torch.Tensor], spent: dict[str
 
 with torch.inference_mode():
     for rows in map(int, sys.argv[1:] or ["64"]):
-        xs = {kind: torch.randn(rows, getattr(layers[0], kind).shape[1]).to(torch.bfloat16) for kind in KINDS}
+        xs = {kind: torch.randn(rows, getattr(layers[0], kind).shape[1]).to(dtype) for kind in KINDS}
         spent = {path: {kind: [] for kind in KINDS} for path in PATHS}
         for _ in range(ROUNDS):
             for path in PATHS:  # interleaved, so a neighbour's load falls on every path alike
