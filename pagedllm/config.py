@@ -70,10 +70,11 @@ class SchedulerConfig:
     kv_policy: str = "paged"
     batching: str = "continuous"  # continuous (iteration-level) | static (a new batch only when the last one is done)
     # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy decode also verifies up to this many
-    # tokens proposed from an earlier occurrence of its last tokens, while at most `speculative_disable_by_batch_size`
-    # sequences run (small steps are bound by reading the weights, big ones by FLOPs); 0 turns it off
+    # tokens proposed from an earlier occurrence of its last tokens (0 turns it off), at the batch sizes where drafts
+    # are measured to pay (core/speculation_gate.py: small steps are bound by reading the weights, big ones by FLOPs),
+    # or while at most `speculative_disable_by_batch_size` sequences run
     num_speculative_tokens: int = 4
-    speculative_disable_by_batch_size: int = 16
+    speculative_disable_by_batch_size: int | None = None
     # Who waits (the paged continuous scheduler; core/policies.py): fcfs (arrival; the newest preempted first),
     # priority (a request's `priority`, lower first; lower priorities preempted first) or fair (the Virtual Token
     # Counter: the client served least goes first) or lpm (longest cached prefix first, within a bounded unfairness
@@ -112,7 +113,7 @@ class SchedulerConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
-        if self.speculative_disable_by_batch_size < 1:
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be positive, got "
                              f"{self.speculative_disable_by_batch_size}")
         self._validate_policy()
@@ -171,7 +172,7 @@ class EngineConfig:
     # the cache still halves its bytes; docs/performance.md)
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
-    speculative_disable_by_batch_size: int = SchedulerConfig.speculative_disable_by_batch_size
+    speculative_disable_by_batch_size: int | None = SchedulerConfig.speculative_disable_by_batch_size
     scheduling_policy: str = SchedulerConfig.scheduling_policy
     client_weights: dict[str, float] | None = SchedulerConfig.client_weights
     # The prefix cache's second tier (docs/kv-tier.md): full blocks the pool lets go are saved to files in this
@@ -294,7 +295,8 @@ class EngineConfig:
                             "occurrence of its last 1-3 tokens, verified in the same step (0: off)")
         g.add_argument("--speculative-disable-by-batch-size", type=int,
                        default=d["speculative_disable_by_batch_size"].default,
-                       help="speculate only while at most this many sequences run (bigger steps are bound by FLOPs)")
+                       help="speculate only while at most this many sequences run (default: where drafts are "
+                            "measured to pay, comparing neighbouring steps with and without them)")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "reference"],
                        help="cpp: the paged attention kernel; reference: plain torch (slow, for tests); auto: cpp "
                             "where it is built")

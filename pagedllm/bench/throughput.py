@@ -64,6 +64,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "prefix_cache_hits": stats.prefix_cache_hits,
         "prefix_cache_queries": stats.prefix_cache_queries,
         "spec_draft_tokens": stats.spec_draft_tokens, "spec_accepted_tokens": stats.spec_accepted_tokens,
+        "spec_gate": stats.spec_gate,
         "machine_bound": machine_bound(llm.engine, config, requests),
         "kv_policy": config.kv_policy, "batching": config.batching, "quantization": config.quantization,
         "kv_waste_fraction": round(stats.kv_waste_fraction, 4),

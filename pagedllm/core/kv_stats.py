@@ -65,6 +65,7 @@ class EngineCounters:
     peak_num_running: int  # most sequences running in one step
     spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and those accepted
     spec_accepted_tokens: int = 0
+    spec_gate: list[dict[str, object]] = field(default_factory=list)  # what the speculation gate measured per bucket
     # the prefix cache's second tier (--kv-offload-dir), empty without one: blocks restored (hits) and not found
     # (misses), bytes read and written, restore time, writes dropped (engine/kv_offload.py's KVTier.stats)
     kv_tier: dict[str, float] = field(default_factory=dict)

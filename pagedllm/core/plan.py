@@ -43,6 +43,11 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
+    def is_pure_decode(self) -> bool:
+        """Every sequence computes its next token (and its draft's) and nothing else: no prompt chunk."""
+        return all(s.samplers and s.num_new_tokens == 1 + len(s.draft) for s in self.scheduled)
+
+    @property
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that get a token from this step, in plan order."""
         return [seq for s in self.scheduled for seq in s.samplers]

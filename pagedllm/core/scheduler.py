@@ -12,6 +12,7 @@ from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, Prefix, Write
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.speculation_gate import SpeculationGate
 
 Writes = list[tuple[Sequence, Write]]
 SKIP_LOOKAHEAD = 256  # waiting groups looked through for one whose LoRA adapter can get a slot
@@ -43,7 +44,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, num_speculative_tokens: int = 0,
-                 speculative_max_running: int = 0) -> None:
+                 speculative_max_running: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,10 +52,11 @@ class Scheduler:
         self.waiting: WaitingQueue = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
-        # Speculative decoding (prompt lookup): up to this many proposed tokens per greedy decode, while at most
-        # `speculative_max_running` sequences run and none waits; 0 turns it off.
+        # Speculative decoding (prompt lookup): up to this many proposed tokens per greedy decode (0: off), while none
+        # waits and the gate finds that drafts pay at this many running (or at most `speculative_max_running` run).
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_running = speculative_max_running
+        self.gate = SpeculationGate(speculative_max_running)
         self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
         self.adapters = AdapterSlots(0, block_manager)  # resident LoRA adapters (make_scheduler gives it slots)
 
@@ -76,12 +78,15 @@ class Scheduler:
         return out
 
     def _may_speculate(self) -> bool:
-        """Few sequences running, none waiting, and room for every draft without preempting anyone for it."""
+        """None waiting, room for every draft without preempting anyone for it, and the gate's yes at this many
+        running (core/speculation_gate.py)."""
         running = self.num_running_seqs
-        if not self.num_speculative_tokens or self.waiting or running > self.speculative_max_running:
+        if not self.num_speculative_tokens or self.waiting or not running:
             return False
         bs = self.block_manager.block_size
-        return self.block_manager.num_free_blocks >= running * (-(-self.num_speculative_tokens // bs) + 1)
+        if self.block_manager.num_free_blocks < running * (-(-self.num_speculative_tokens // bs) + 1):
+            return False
+        return self.gate.choose(running)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         """FCFS while seats, budget and free blocks last; nothing new joins a step that had to preempt."""

@@ -247,7 +247,7 @@ class LLMEngine:
                               bm.pool.num_cached_free, bm.num_total_blocks, bm.num_cow_copies,
                               self.scheduler.num_preemptions, **asdict(self.kv_usage),
                               spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens,
-                              kv_tier=tier,
+                              spec_gate=self.scheduler.gate.table(), kv_tier=tier,
                               lora_adapters_loaded=len(self.loras),
                               lora_adapters_resident=len(self.scheduler.adapters.slot_of),
                               lora_adapter_blocks=bm.num_adapter_blocks, lora_loads=self.scheduler.adapters.num_loads)
@@ -330,18 +330,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, commit, process its tokens. A request the step fails on fails alone
         (pop_failed_requests); an error that escapes means the engine must be replaced."""
+        began, generated = time.perf_counter(), self.num_generated_tokens
         with self.timer.part("schedule"):
             self.service.note_waiting(self.scheduler.waiting)
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         blocks_in_use = self._start(plan)
+        pure_decode = plan.is_pure_decode
         try:
             outputs = self._run(plan)
         except Exception as error:
             groups = list(dict.fromkeys(self.groups[s.seq.request_id] for s in plan.scheduled))
             outputs = self.isolation.rerun(plan, groups, error)
             self.kv_usage.record_step(self.block_manager, self.scheduler.running)
+            pure_decode = False
+        self.scheduler.gate.record(self.num_generated_tokens - generated, time.perf_counter() - began, pure_decode)
         self.service.end_step(plan)
         if self.observers:
             self._notify(StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,

@@ -11,6 +11,7 @@ from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy,
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.ngram import NgramIndex
+from pagedllm.core.speculation_gate import MIN_PAIRS
 
 SPECULATE_ALWAYS = dict(num_speculative_tokens=4, speculative_disable_by_batch_size=256)
 
@@ -100,3 +101,17 @@ def test_off_when_many_run_or_requests_wait_or_sampling_needs_each_step(tiny_mod
     assert llm.engine.num_draft_tokens == 0
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens > 0
+
+
+def test_by_default_the_gate_decides_from_neighbouring_steps_and_tokens_stay_those_of_one_token_steps(tiny_model_dir):
+    """Which way it settles depends on this machine's timings (the tiny model seldom repeats itself): not asserted."""
+    prompts = repeating_prompts(6, seed=9)
+    runs = []
+    for k in (0, 4):
+        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=k)
+        runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                   greedy(), use_tqdm=False)])
+    assert runs[0] == runs[1]
+    [row] = llm.engine.stats().spec_gate  # six sequences ran together
+    assert row["running"] == "4-7" and row["comparisons"] >= MIN_PAIRS and row["drafts"] in (True, False)
+    assert llm.engine.block_manager.num_free_blocks == 256
