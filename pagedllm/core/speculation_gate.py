@@ -1,10 +1,10 @@
 """Whether a decode step verifies drafts, measured where the engine runs: the batch size from which drafts stop paying
 depends on the CPU, the load on it, the model and how often drafts hold, so no constant is right everywhere.
 
-Per bucket of running sequences (powers of two) the gate compares the tokens per second of adjacent pure decode
-steps, one with drafts and one without, so that both saw nearly the same sequences and contexts; it plays the better
-choice by the median of the last comparisons, and the other now and then (every EXPLORE_EVERY steps) so drift
-(acceptance, load, context lengths) shows. An explicit limit (vLLM's `speculative_disable_by_batch_size`) replaces
+Per bucket of running sequences (powers of two) the gate compares adjacent pure decode steps, one with drafts and one
+without, so that both saw nearly the same sequences and contexts: tokens emitted, and wall time. It plays the better
+choice over its latest comparisons (drafts unless they clearly lose), and the other now and then so drift (acceptance,
+load, context lengths) shows. An explicit limit (vLLM's `speculative_disable_by_batch_size`) replaces
 all of this.
 """
 
@@ -15,36 +15,54 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-MIN_PAIRS = 3  # comparisons a bucket needs before it trusts its median; until then it alternates
-PAIRS_KEPT = 9  # the median is over this many latest comparisons
-EXPLORE_EVERY = 32  # steps in a bucket between visits to the choice behind
+MIN_PAIRS = 3  # comparisons a bucket needs before it trusts them; until then it alternates
+PAIRS_KEPT = 16  # the comparisons kept per bucket, the latest
+EXPLORE_EVERY = 32  # steps in a bucket between visits to the choice behind; half that while drafts lose little
 # A visit is one step without drafts (compared with both neighbours), or two with: the first step with drafts after
 # several without also catches every lookup up on the tokens since, so only the second is compared.
+# Drafts stay on unless they lose at least this share (as a log ratio): a sequence accepts more of them as it grows
+# and repeats itself, so the first comparisons, on short outputs, undersell them.
+MARGIN = 0.05
+CLEAR_LOSS = 0.2  # a loss beyond this is clear: visits go back to every EXPLORE_EVERY steps
+
+
+@dataclass
+class Step:
+    """A compared step: its bucket, whether it had drafts, the tokens it emitted and its wall time."""
+
+    bucket: int
+    drafts: bool
+    tokens: int
+    seconds: float
 
 
 @dataclass
 class Bucket:
-    """One range of running sequences: log(rate with drafts / rate without) of adjacent steps, and steps decided."""
+    """One range of running sequences: (step with drafts, step without) pairs of neighbours, and steps decided."""
 
-    log_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=PAIRS_KEPT))
+    pairs: deque[tuple[Step, Step]] = field(default_factory=lambda: deque(maxlen=PAIRS_KEPT))
     steps: int = 0
 
     @property
     def settled(self) -> bool:
-        return len(self.log_ratios) >= MIN_PAIRS
+        return len(self.pairs) >= MIN_PAIRS
+
+    @property
+    def log_gain(self) -> float:
+        """log(tokens/s with drafts over without): the tokens' ratio of sums (most steps accept nothing, a few accept
+        every draft: a median would miss those), the times' median ratio (a step another process stalled is one)."""
+        if not self.pairs:
+            return 0.0
+        tokens = sum(w.tokens for w, _ in self.pairs) / max(1, sum(o.tokens for _, o in self.pairs))
+        return math.log(max(tokens, 1e-9)) + statistics.median(math.log(o.seconds / w.seconds) for w, o in self.pairs)
 
     @property
     def drafts_pay(self) -> bool:
-        return statistics.median(self.log_ratios) > 0 if self.log_ratios else True
+        return self.log_gain > -MARGIN
 
-
-@dataclass
-class Played:
-    """The last compared step: its bucket, whether it had drafts and its tokens per second."""
-
-    bucket: int
-    drafts: bool
-    rate: float
+    @property
+    def visit_every(self) -> int:
+        return EXPLORE_EVERY if self.drafts_pay or self.log_gain < -CLEAR_LOSS else EXPLORE_EVERY // 2
 
 
 class SpeculationGate:
@@ -54,7 +72,7 @@ class SpeculationGate:
         self.limit = limit  # speculate while at most this many run; None: measured
         self.buckets: dict[int, Bucket] = {}
         self._pending: tuple[int, bool] | None = None  # (bucket, drafts) of the step being run
-        self._last: Played | None = None
+        self._last: Step | None = None
         self._without_run = 0  # steps since the last one with drafts: a lookup catches up that many tokens
 
     @staticmethod
@@ -78,9 +96,9 @@ class SpeculationGate:
         return not (last is not None and last.drafts and self._without_run == 0)
 
     def _exploit(self, bucket: Bucket) -> bool:
-        best = bucket.drafts_pay
+        best, every = bucket.drafts_pay, bucket.visit_every
         visit = 1 if best else 2
-        return best != (bucket.steps % EXPLORE_EVERY >= EXPLORE_EVERY - visit)
+        return best != (bucket.steps % every >= every - visit)
 
     def record(self, tokens: int, seconds: float, pure_decode: bool) -> None:
         """What a step gave, after every step: tokens emitted in `seconds`. Only pure decode steps the gate decided
@@ -92,21 +110,19 @@ class SpeculationGate:
         if pending is None or not pure_decode or seconds <= 0 or not caught_up:
             self._last = None
             return
-        index = pending[0]
-        played = Played(index, drafts, tokens / seconds)
+        played = Step(pending[0], drafts, tokens, seconds)
         last = self._last
-        if last is not None and last.bucket == index and last.drafts != drafts and last.rate > 0 and played.rate > 0:
-            with_, without = (played, last) if drafts else (last, played)
-            self.buckets[index].log_ratios.append(math.log(with_.rate / without.rate))
+        if last is not None and last.bucket == played.bucket and last.drafts != drafts and tokens and last.tokens:
+            self.buckets[played.bucket].pairs.append((played, last) if drafts else (last, played))
         self._last = played
 
     def table(self) -> list[dict[str, object]]:
-        """Per bucket: its running range, steps, the median gain of drafts and the choice (for benchmarks, logs)."""
+        """Per bucket: its running range, steps, the measured gain of drafts and the choice (for benchmarks, logs)."""
         rows = []
         for index, bucket in sorted(self.buckets.items()):
-            gain = math.exp(statistics.median(bucket.log_ratios)) if bucket.log_ratios else None
+            gain = math.exp(bucket.log_gain) if bucket.pairs else None
             rows.append({"running": f"{1 << (index - 1)}-{(1 << index) - 1}", "steps": bucket.steps,
-                         "comparisons": len(bucket.log_ratios),
+                         "comparisons": len(bucket.pairs),
                          "drafts_gain": round(gain, 3) if gain is not None else None,
                          "drafts": bucket.drafts_pay if bucket.settled else None})
         return rows
