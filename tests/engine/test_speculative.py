@@ -112,6 +112,7 @@ def test_by_default_the_gate_decides_from_neighbouring_steps_and_tokens_stay_tho
         runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                    greedy(), use_tqdm=False)])
     assert runs[0] == runs[1]
-    [row] = llm.engine.stats().spec_gate  # six sequences ran together
-    assert row["running"] == "4-7" and row["comparisons"] >= MIN_PAIRS and row["drafts"] in (True, False)
+    # six sequences ran together; accepted drafts may end some early (fewer running: another bucket)
+    row = next(r for r in llm.engine.stats().spec_gate if r["running"] == "4-7")
+    assert row["comparisons"] >= MIN_PAIRS and row["drafts"] in (True, False)
     assert llm.engine.block_manager.num_free_blocks == 256
