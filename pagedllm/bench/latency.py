@@ -156,8 +156,11 @@ def sized_engine(base: Any, case: LatencyCase, user_sized: bool) -> Any:
 
     sized = {} if user_sized else {"num_blocks": case.batch * (math.ceil(case.tokens_per_seq / base.block_size) + 1),
                                    "max_model_len": None}  # checked against the model's in skip_reason
+    # Steps of one shape: asked for, every decode step speculates (the engine's gate would mix steps without drafts)
+    limit = base.speculative_disable_by_batch_size or max(base.max_num_seqs, case.batch)
     return LLMEngine(dataclasses.replace(base, max_num_seqs=max(base.max_num_seqs, case.batch),
-                                         max_num_batched_tokens=max(base.max_num_batched_tokens, case.batch), **sized))
+                                         max_num_batched_tokens=max(base.max_num_batched_tokens, case.batch),
+                                         speculative_disable_by_batch_size=limit, **sized))
 
 
 def cmd_latency(args: argparse.Namespace) -> int:

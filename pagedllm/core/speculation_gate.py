@@ -42,10 +42,15 @@ class Bucket:
 
     pairs: deque[tuple[Step, Step]] = field(default_factory=lambda: deque(maxlen=PAIRS_KEPT))
     steps: int = 0
+    _log_gain: float | None = field(default=None, repr=False)  # of `pairs`, until the next one
 
     @property
     def settled(self) -> bool:
         return len(self.pairs) >= MIN_PAIRS
+
+    def add(self, with_drafts: Step, without: Step) -> None:
+        self.pairs.append((with_drafts, without))
+        self._log_gain = None
 
     @property
     def log_gain(self) -> float:
@@ -53,8 +58,11 @@ class Bucket:
         every draft: a median would miss those), the times' median ratio (a step another process stalled is one)."""
         if not self.pairs:
             return 0.0
-        tokens = sum(w.tokens for w, _ in self.pairs) / max(1, sum(o.tokens for _, o in self.pairs))
-        return math.log(max(tokens, 1e-9)) + statistics.median(math.log(o.seconds / w.seconds) for w, o in self.pairs)
+        if self._log_gain is None:
+            tokens = sum(w.tokens for w, _ in self.pairs) / sum(o.tokens for _, o in self.pairs)
+            times = statistics.median(math.log(o.seconds / w.seconds) for w, o in self.pairs)
+            self._log_gain = math.log(tokens) + times
+        return self._log_gain
 
     @property
     def drafts_pay(self) -> bool:
@@ -113,7 +121,7 @@ class SpeculationGate:
         played = Step(pending[0], drafts, tokens, seconds)
         last = self._last
         if last is not None and last.bucket == played.bucket and last.drafts != drafts and tokens and last.tokens:
-            self.buckets[played.bucket].pairs.append((played, last) if drafts else (last, played))
+            self.buckets[played.bucket].add(*((played, last) if drafts else (last, played)))
         self._last = played
 
     def table(self) -> list[dict[str, object]]:
