@@ -25,7 +25,7 @@ dtype = llm.engine.runner.model.dtype  # the activations' dtype: bfloat16, or fl
 PATHS = tuple(p for p in PATHS if p in layers[0].qkv_weight.paths())  # no bf16_gemm form in an fp32 model
 
 
-def step_pass(rows: int, path: str, xs: dict[str, torch.Tensor], spent: dict[str, list[float]]) -> None:
+def step_pass(path: str, xs: dict[str, torch.Tensor], spent: dict[str, list[float]]) -> None:
     """One step's 120 matmuls on `path`, each kind's total time appended to spent[kind] (us per call)."""
     total = dict.fromkeys(KINDS, 0.0)
     for layer in layers:
@@ -44,7 +44,7 @@ with torch.inference_mode():
         spent = {path: {kind: [] for kind in KINDS} for path in PATHS}
         for _ in range(ROUNDS):
             for path in PATHS:  # interleaved, so a neighbour's load falls on every path alike
-                step_pass(rows, path, xs, spent[path])
+                step_pass(path, xs, spent[path])
         for kind in KINDS:
             cells = {path: statistics.median(spent[path][kind][1:]) for path in PATHS}
             best = min(cells, key=cells.get)

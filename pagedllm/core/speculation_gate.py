@@ -98,6 +98,11 @@ class SpeculationGate:
         self._pending = (index, drafts)
         return drafts
 
+    @property
+    def deciding(self) -> bool:
+        """The step being run is one the gate chose for (its `record` may compare it)."""
+        return self._pending is not None
+
     def _alternate(self) -> bool:
         """Alternate, so that every step has a neighbour of the other kind (drafts first)."""
         last = self._last

@@ -337,7 +337,7 @@ class LLMEngine:
         if plan.is_empty:
             return []
         blocks_in_use = self._start(plan)
-        pure_decode = plan.is_pure_decode
+        pure_decode = self.scheduler.gate.deciding and plan.is_pure_decode  # only a step the gate chose for
         try:
             outputs = self._run(plan)
         except Exception as error:
