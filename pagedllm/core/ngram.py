@@ -3,6 +3,8 @@
 Where few sequences run, a decode step is bound by reading the weights, so verifying k proposed tokens costs little
 more than computing one; greedy outputs, and prompts that quote themselves, repeat, so many proposals hold
 (docs/performance-log.md). No draft model: the proposer is a dict per sequence, updated as its tokens grow.
+How many tokens it proposes grows with what the sequence's last proposals kept (`window`): most proposals hold whole
+or not at all, and a rejected token still costs a row of every matmul.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_NGRAM = 3  # the longest run of last tokens looked up (vLLM's prompt_lookup_max)
+MAX_WINDOW = 64  # the window's ceiling; the engine's num_speculative_tokens caps what is proposed
 
 
 @dataclass
@@ -18,6 +21,10 @@ class NgramIndex:
 
     after: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 1  # n-grams ending before this position are in `after`
+    # Tokens the next proposal may have: 1 at first, doubled when a proposal is accepted whole, else what was
+    # accepted of it (at least 1), as TCP's window: a sequence that repeats itself earns long proposals, one that
+    # does not wastes a row a step at most.
+    window: int = 1
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last 3 (else 2, else 1) tokens."""
@@ -31,3 +38,8 @@ class NgramIndex:
             if at is not None:
                 return tokens[at:at + k]
         return []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """The model kept `accepted` of the `proposed` tokens of this sequence's last proposal."""
+        if proposed:
+            self.window = min(MAX_WINDOW, 2 * self.window) if accepted == proposed else max(1, accepted)

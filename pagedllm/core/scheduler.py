@@ -119,8 +119,9 @@ class Scheduler:
         return writes
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """The tokens proposed after `seq`'s last one, within the budget, its max_tokens and the model's length."""
-        room = min(self.num_speculative_tokens, budget, seq.max_tokens - seq.num_output_tokens - 1,
+        """The tokens proposed after `seq`'s last one, within its lookup's window, the budget, its max_tokens and the
+        model's length."""
+        room = min(self.num_speculative_tokens, seq.lookup.window, budget, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         return seq.lookup.propose(seq.token_ids, room) if room > 0 else []
 

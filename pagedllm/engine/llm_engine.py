@@ -401,6 +401,7 @@ class LLMEngine:
                 accepted = next((i for i, t in enumerate(s.draft) if t != picks[row + i]), proposed)
                 self.num_draft_tokens += proposed
                 self.num_accepted_tokens += accepted
+                s.seq.lookup.record(proposed, accepted)
                 s.num_new_tokens -= proposed - accepted
                 s.draft = s.draft[:accepted]
                 emitted.append((s.seq, row, accepted + 1))

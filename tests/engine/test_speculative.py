@@ -10,7 +10,7 @@ import pytest
 from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.ngram import NgramIndex
+from pagedllm.core.ngram import MAX_WINDOW, NgramIndex
 from pagedllm.core.speculation_gate import MIN_PAIRS
 
 SPECULATE_ALWAYS = dict(num_speculative_tokens=4, speculative_disable_by_batch_size=256)
@@ -42,6 +42,44 @@ def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert NgramIndex().propose([5, 6, 1, 5], 2) == [6, 1]  # no 3- or 2-gram match: the last token alone
     assert NgramIndex().propose([5, 6, 1, 7], 3) == [] and NgramIndex().propose([4], 3) == []
     assert NgramIndex().propose([8, 8, 8, 8], 3) == [8]  # what followed (8, 8, 8) at 0..2: one token is known
+
+
+def test_proposals_grow_while_kept_whole_and_shrink_to_what_was_kept():
+    index = NgramIndex()
+    tokens = [1, 2, 3, 4, 5, 6] * 4
+    assert index.window == 1 and index.propose(tokens, min(4, index.window)) == [1]
+    for proposed, accepted, window in [(1, 1, 2), (2, 2, 4), (4, 4, 8), (3, 1, 1), (1, 0, 1), (1, 1, 2), (2, 0, 1)]:
+        index.record(proposed, accepted)
+        assert index.window == window
+    index.record(0, 0)  # nothing proposed: nothing learnt
+    assert index.window == 1
+    for _ in range(10):
+        index.record(index.window, index.window)
+    assert index.window == MAX_WINDOW
+
+
+def test_a_step_proposes_within_each_sequence_window(tiny_model_dir):
+    """The scheduler asks each lookup for at most its window (and num_speculative_tokens); the engine tells it what
+    was kept. Tokens stay those of one-token steps (the test above)."""
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=128, **SPECULATE_ALWAYS)
+    engine = llm.engine
+    for i, prompt in enumerate(repeating_prompts(4, seed=11)):
+        engine.add_request(str(i), prompt, greedy(24))
+    seqs = [engine.groups[str(i)].seqs[0] for i in range(4)]
+    proposed_any = grew_any = False
+    while engine.has_unfinished_requests():
+        windows = [seq.lookup.window for seq in seqs]
+        before = engine.num_draft_tokens, engine.num_accepted_tokens
+        engine.step()
+        drafted = engine.num_draft_tokens - before[0]
+        assert drafted <= sum(min(4, w) for w, seq in zip(windows, seqs))
+        proposed_any |= drafted > 0
+        kept = engine.num_accepted_tokens - before[1]
+        grew = sum(seq.lookup.window > w for w, seq in zip(windows, seqs))
+        assert grew <= kept  # a window grows only when its whole proposal was kept
+        grew_any |= grew > 0
+    # every window starts at 1, so the first token kept was a whole proposal
+    assert proposed_any and engine.num_accepted_tokens > 0 and grew_any
 
 
 @pytest.mark.parametrize("engine_args", [
