@@ -44,8 +44,9 @@ FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
 # the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision; 4: it
-# is timed inside the oneDNN range; 5: each sample on other layers' weights).
-KERNELS_VERSION = "5"
+# is timed inside the oneDNN range; 5: each sample on other layers' weights; 6: bf16_gemm and int8_gemm broadcast
+# each activation once into a register, 10-60% faster).
+KERNELS_VERSION = "6"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5

@@ -8,9 +8,11 @@
 // Layout (Bf16Weight.pack): packed [P, K/2, 4, 32] bf16: element 2i + j of [p, kp, c] = W[64p + 16c + i, 2kp + j]
 // (i < 16, j < 2): one 64-byte load is one tile's k-pair in vdpbf16ps's lane order.
 //
-// Register blocking: 6 rows x 4 tiles of fp32 sums (24 zmm) and the 4 weight vectors; the inner loop is 4 loads and
-// 24 vdpbf16ps whose activation pair is broadcast from memory ({1to16}). Inline assembly, as int8_gemm.cpp does for
-// vpdpbusd: GCC 12 copies the accumulator around every _mm512_dpbf16_ps and broadcasts in a separate instruction.
+// Register blocking: 6 rows x 4 tiles of fp32 sums (24 zmm), the 4 weight vectors and a row's activation pair: the
+// inner loop is 4 weight loads, 6 broadcasts and 24 vdpbf16ps. Each pair is broadcast once into a register, not
+// from memory in every vdpbf16ps ({1to16}, 24 loads): with 28 loads for 24 products the loads were the bound
+// (~700 against ~830 GFLOP/s at 64-90 rows on Zen 5, docs/scripts/gemm_kernels_speed.py). Inline
+// assembly, as int8_gemm.cpp does for vpdpbusd: GCC 12 copies the accumulator around every _mm512_dpbf16_ps.
 // Sums are fp32 over all of K (vdpbf16ps: products of bf16 exact in fp32, round to nearest even), rounded to bf16
 // once into the output.
 
@@ -20,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -28,8 +31,8 @@ constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kSupported = true;
 
-inline void dpbf16_bcst(__m512& acc, __m512 w, const uint16_t* x2) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x2)));
+inline void dpbf16(__m512& acc, __m512 w, __m512i x2) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x2));
 }
 
 // R rows of x (row stride K) against one panel: sums in registers over all of K, then rounded into out.
@@ -47,9 +50,13 @@ inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::
 #pragma GCC unroll 4
     for (int c = 0; c < kTiles; ++c) w[c] = _mm512_loadu_ps(wk + c * 32);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * kp, sizeof(pair));
+      const __m512i xb = _mm512_set1_epi32(pair);
 #pragma GCC unroll 4
-      for (int c = 0; c < kTiles; ++c) dpbf16_bcst(acc[r][c], w[c], x + r * K + 2 * kp);
+      for (int c = 0; c < kTiles; ++c) dpbf16(acc[r][c], w[c], xb);
+    }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)

@@ -4,11 +4,11 @@
 // temporary. The weight is packed once at load (Int8Weight); torch._int_mm got a plain weight on every call and
 // oneDNN reordered it each time, which made the lm_head (K = 576, N = 49,152) no faster than bf16.
 //
-// vpdpbusd multiplies unsigned bytes (its first source, a register) by signed bytes (its second, which may be a
-// 4-byte group broadcast from memory, {1to16}). The activations are the operand broadcast, so they stay signed and
+// vpdpbusd multiplies unsigned bytes (its first source) by signed bytes (its second). The activations are the
+// second operand, a 4-byte group broadcast to all lanes, so they stay signed and
 // the weights are stored unsigned, w + 128 (1..255, as w is -127..127); each product then carries 128 * x, and
 // 128 * sum_k x[r, k] comes off each row's sums before the scales apply (exact in int32). The other way round (x
-// shifted to u8, 128 * colsum(w) off each column) would need a separate broadcast into a register for every row.
+// shifted to u8, 128 * colsum(w) off each column) would cost a pass over the weight's columns.
 // |sum| <= K * 255 * 127 must fit int32: K <= 66,308.
 //
 // Layout (Int8Weight.pack): output columns in panels of 64 (4 tiles of 16), inputs in groups of 4:
@@ -16,8 +16,10 @@
 // rows past N (the last panel's padding) hold W = 0. One 64-byte load is one tile's k-group in vpdpbusd's lane
 // order, and a panel's groups follow each other, so a pass over a panel reads one contiguous stream.
 //
-// Register blocking: 6 rows x 4 tiles of int32 sums (24 zmm) plus the 4 weight vectors; the inner loop is 4 loads
-// and 24 vpdpbusd with broadcast activations. Threads take panels (and blocks of rows when M is large): a panel is
+// Register blocking: 6 rows x 4 tiles of int32 sums (24 zmm) plus the 4 weight vectors and a row's broadcast group;
+// the inner loop is 4 weight loads, 6 broadcasts and 24 vpdpbusd (broadcasting from memory in every vpdpbusd,
+// {1to16}, made it 28 loads for 24 products, the bound: the lm_head ran 1.1-1.5 against 1.6-1.8 TOP/s on Zen 5,
+// docs/scripts/gemm_kernels_speed.py). Threads take panels (and blocks of rows when M is large): a panel is
 // 36 KB at K = 576, so it stays in L1/L2 while every row of x passes over it.
 
 #include <ATen/ATen.h>
@@ -57,11 +59,11 @@ inline __m512 load(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
-// acc += w (unsigned bytes) . x4 (4 signed bytes, broadcast to all 16 lanes from memory). Inline assembly: GCC 12
-// compiles _mm512_dpbusd_epi32 with a register copy around every call (it does not tie the accumulator to the
-// output) and a separate vpbroadcastd: ~230 GOP/s for the 6 x 4 block, against ~780 with this.
-inline void dpbusd_bcst(__m512i& acc, __m512i w, const int8_t* x4) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x4)));
+// acc += w (unsigned bytes) . x4 (4 signed bytes in every lane). Inline assembly: GCC 12 compiles
+// _mm512_dpbusd_epi32 with a register copy around every call (it does not tie the accumulator to the output):
+// ~230 GOP/s for the 6 x 4 block.
+inline void dpbusd(__m512i& acc, __m512i w, __m512i x4) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x4));
 }
 
 // What the epilogue needs besides the sums: where they go and how they scale.
@@ -92,8 +94,11 @@ inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64
     for (int c = 0; c < kTiles; ++c) w[c] = _mm512_loadu_si512(wg + c * 64);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
+      int32_t group;
+      std::memcpy(&group, x + r * ldx + 4 * g, sizeof(group));
+      const __m512i xb = _mm512_set1_epi32(group);
 #pragma GCC unroll 4
-      for (int c = 0; c < kTiles; ++c) dpbusd_bcst(acc[r][c], w[c], x + r * ldx + 4 * g);
+      for (int c = 0; c < kTiles; ++c) dpbusd(acc[r][c], w[c], xb);
     }
   }
   __mmask16 masks[kTiles];
