@@ -58,6 +58,7 @@ class Scheduler:
         self.speculative_max_running = speculative_max_running
         self.gate = SpeculationGate(speculative_max_running)
         self._drafts: dict[int, list[int]] = {}  # this step's proposals by seq_id, from _plan_writes to _run
+        self._proposal_floor = 0  # this step's: tokens any sequence may propose (the gate's, by the row cost)
         self.adapters = AdapterSlots(0, block_manager)  # resident LoRA adapters (make_scheduler gives it slots)
 
     def schedule(self) -> SchedulerOutput:
@@ -65,6 +66,7 @@ class Scheduler:
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
         self._drafts.clear()
         speculate = self._may_speculate()
+        self._proposal_floor = self.gate.proposal_floor(self.num_running_seqs, self.num_speculative_tokens)
         for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
             if out.budget == 0:
                 break
@@ -119,9 +121,10 @@ class Scheduler:
         return writes
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """The tokens proposed after `seq`'s last one, within its lookup's window, the budget, its max_tokens and the
-        model's length."""
-        room = min(self.num_speculative_tokens, seq.lookup.window, budget, seq.max_tokens - seq.num_output_tokens - 1,
+        """The tokens proposed after `seq`'s last one, within its lookup's window (or the gate's floor for this batch
+        size, if more), the budget, its max_tokens and the model's length."""
+        earned = max(seq.lookup.window, self._proposal_floor)
+        room = min(self.num_speculative_tokens, earned, budget, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         return seq.lookup.propose(seq.token_ids, room) if room > 0 else []
 

@@ -6,6 +6,11 @@ without, so that both saw nearly the same sequences and contexts: tokens emitted
 choice over its latest comparisons (drafts unless they clearly lose), and the other now and then so drift (acceptance,
 load, context lengths) shows. An explicit limit (vLLM's `speculative_disable_by_batch_size`) replaces
 all of this.
+
+The same pairs say what a row costs at that batch size (their times against their rows): next to nothing for a few
+sequences, whose steps read the weights, most of a token's time for many, whose steps compute. How many tokens a
+sequence proposes follows (`proposal_floor`): all it may where rows are free, only what its lookup earned where they
+cost (NgramIndex.window).
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ CLEAR_LOSS = 0.2  # a loss beyond this is clear: visits go back to every EXPLORE
 
 @dataclass
 class Step:
-    """A compared step: its bucket, whether it had drafts, the tokens it emitted and its wall time."""
+    """A compared step: its bucket, whether it had drafts, the tokens it emitted, its wall time and the rows (tokens)
+    it computed."""
 
     bucket: int
     drafts: bool
     tokens: int
     seconds: float
+    rows: int = 0
 
 
 @dataclass
@@ -63,6 +70,15 @@ class Bucket:
             times = statistics.median(math.log(o.seconds / w.seconds) for w, o in self.pairs)
             self._log_gain = math.log(tokens) + times
         return self._log_gain
+
+    @property
+    def row_cost(self) -> float | None:
+        """The share of a step's time that grows with its rows, 0-1: per pair, the time the extra rows added over the
+        time the same rows would take at the step's cost per row ((t_with / t_without - 1) / (rows_with /
+        rows_without - 1)), the median over pairs; None before a pair had extra rows."""
+        shares = [(w.seconds / o.seconds - 1) / (w.rows / o.rows - 1)
+                  for w, o in self.pairs if o.rows > 0 and w.rows > o.rows]
+        return min(1.0, max(0.0, statistics.median(shares))) if shares else None
 
     @property
     def drafts_pay(self) -> bool:
@@ -98,6 +114,15 @@ class SpeculationGate:
         self._pending = (index, drafts)
         return drafts
 
+    def proposal_floor(self, running: int, most: int) -> int:
+        """Tokens a sequence may propose whatever its window, with `running` sequences and at most `most` tokens a
+        proposal: `most` where rows cost nothing, 0 where they cost a token's time (and before it is measured)."""
+        if self.limit is not None:
+            return most
+        bucket = self.buckets.get(self.bucket_of(running))
+        cost = bucket.row_cost if bucket is not None else None
+        return 0 if cost is None else round(most * (1 - cost))
+
     @property
     def deciding(self) -> bool:
         """The step being run is one the gate chose for (its `record` may compare it)."""
@@ -113,9 +138,10 @@ class SpeculationGate:
         visit = 1 if best else 2
         return best != (bucket.steps % every >= every - visit)
 
-    def record(self, tokens: int, seconds: float, pure_decode: bool) -> None:
-        """What a step gave, after every step: tokens emitted in `seconds`. Only pure decode steps the gate decided
-        compare; any other (requests waited, a prompt chunk ran, the step failed) breaks the chain of neighbours."""
+    def record(self, tokens: int, seconds: float, pure_decode: bool, rows: int = 0) -> None:
+        """What a step gave, after every step: tokens emitted in `seconds`, computing `rows`. Only pure decode steps
+        the gate decided compare; any other (requests waited, a prompt chunk ran, the step failed) breaks the chain of
+        neighbours."""
         pending, self._pending = self._pending, None
         drafts = pending is not None and pending[1]
         caught_up = not drafts or self._without_run <= 1
@@ -123,7 +149,7 @@ class SpeculationGate:
         if pending is None or not pure_decode or seconds <= 0 or not caught_up:
             self._last = None
             return
-        played = Step(pending[0], drafts, tokens, seconds)
+        played = Step(pending[0], drafts, tokens, seconds, rows)
         last = self._last
         if last is not None and last.bucket == played.bucket and last.drafts != drafts and tokens and last.tokens:
             self.buckets[played.bucket].add(*((played, last) if drafts else (last, played)))
@@ -137,5 +163,6 @@ class SpeculationGate:
             rows.append({"running": f"{1 << (index - 1)}-{(1 << index) - 1}", "steps": bucket.steps,
                          "comparisons": len(bucket.pairs),
                          "drafts_gain": round(gain, 3) if gain is not None else None,
-                         "drafts": bucket.drafts_pay if bucket.settled else None})
+                         "drafts": bucket.drafts_pay if bucket.settled else None,
+                         "row_cost": None if bucket.row_cost is None else round(bucket.row_cost, 3)})
         return rows

@@ -338,6 +338,7 @@ class LLMEngine:
             return []
         blocks_in_use = self._start(plan)
         pure_decode = self.scheduler.gate.deciding and plan.is_pure_decode  # only a step the gate chose for
+        rows = plan.num_batched_tokens  # before the drafts are cut to what was accepted
         try:
             outputs = self._run(plan)
         except Exception as error:
@@ -345,7 +346,8 @@ class LLMEngine:
             outputs = self.isolation.rerun(plan, groups, error)
             self.kv_usage.record_step(self.block_manager, self.scheduler.running)
             pure_decode = False
-        self.scheduler.gate.record(self.num_generated_tokens - generated, time.perf_counter() - began, pure_decode)
+        seconds = time.perf_counter() - began
+        self.scheduler.gate.record(self.num_generated_tokens - generated, seconds, pure_decode, rows)
         self.service.end_step(plan)
         if self.observers:
             self._notify(StepRecord(plan.num_batched_tokens, len(plan.scheduled), len(plan.preempted), blocks_in_use,

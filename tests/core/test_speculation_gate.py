@@ -109,3 +109,27 @@ def test_an_explicit_limit_replaces_the_measurement():
     assert gate.choose(16) and not gate.choose(17)
     gate.record(10, 1.0, True)
     assert gate.table() == []
+
+
+def alternate(gate: SpeculationGate, running: int, rows_with: int, seconds_with: float, pairs: int) -> None:
+    """Pairs of neighbouring steps at `running` sequences: without drafts `running` rows in 1 s, with them
+    `rows_with` rows in `seconds_with` (and twice the tokens, so drafts pay and the gate keeps alternating early)."""
+    for _ in range(2 * pairs):
+        drafts = gate.choose(running)
+        gate.record(2 * running if drafts else running, seconds_with if drafts else 1.0, True,
+                    rows_with if drafts else running)
+
+
+def test_the_row_cost_sets_how_much_any_sequence_may_propose():
+    """Where extra rows cost nothing (a step reading the weights) every sequence may propose all it may; where a row
+    costs what a token does, only what its window earned; in between, a share of it."""
+    gate = SpeculationGate()
+    assert gate.proposal_floor(1, 4) == 0  # nothing measured: the windows alone
+    alternate(gate, 1, rows_with=5, seconds_with=1.0, pairs=MIN_PAIRS)  # 5 rows in the time of 1
+    alternate(gate, 64, rows_with=128, seconds_with=2.0, pairs=MIN_PAIRS)  # twice the rows, twice the time
+    alternate(gate, 16, rows_with=32, seconds_with=1.5, pairs=MIN_PAIRS)  # half a token's time a row
+    assert [gate.proposal_floor(n, 4) for n in (1, 64, 16)] == [4, 0, 2]
+    assert {r["running"]: r["row_cost"] for r in gate.table()} == {"1-1": 0.0, "16-31": 0.5, "64-127": 1.0}
+    alternate(gate, 100, rows_with=100, seconds_with=1.0, pairs=MIN_PAIRS)  # no step had extra rows: unmeasured
+    assert gate.proposal_floor(100, 4) == 0
+    assert SpeculationGate(limit=16).proposal_floor(1, 4) == 4  # an explicit limit: every proposal as long as it may

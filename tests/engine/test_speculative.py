@@ -11,7 +11,9 @@ from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy,
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.ngram import MAX_WINDOW, NgramIndex
+from pagedllm.core.sequence import Sequence
 from pagedllm.core.speculation_gate import MIN_PAIRS
+from pagedllm.outputs import RequestMetrics
 
 SPECULATE_ALWAYS = dict(num_speculative_tokens=4, speculative_disable_by_batch_size=256)
 
@@ -58,28 +60,47 @@ def test_proposals_grow_while_kept_whole_and_shrink_to_what_was_kept():
     assert index.window == MAX_WINDOW
 
 
-def test_a_step_proposes_within_each_sequence_window(tiny_model_dir):
-    """The scheduler asks each lookup for at most its window (and num_speculative_tokens); the engine tells it what
-    was kept. Tokens stay those of one-token steps (the test above)."""
-    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=128, **SPECULATE_ALWAYS)
+@pytest.mark.parametrize("floor", [0, 2, 4])
+def test_a_step_proposes_within_each_sequence_window_or_the_gate_floor(tiny_model_dir, floor):
+    """The scheduler asks each lookup for at most the larger of its window and the gate's floor for the batch size
+    (here fixed), and never more than num_speculative_tokens; the engine tells each lookup what was kept. Tokens stay
+    those of one-token steps (the test above)."""
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=128, num_speculative_tokens=4)
     engine = llm.engine
+    engine.scheduler.gate.choose = lambda running: True
+    engine.scheduler.gate.proposal_floor = lambda running, most: floor
     for i, prompt in enumerate(repeating_prompts(4, seed=11)):
         engine.add_request(str(i), prompt, greedy(24))
     seqs = [engine.groups[str(i)].seqs[0] for i in range(4)]
-    proposed_any = grew_any = False
+    beyond_windows = grew_any = False
     while engine.has_unfinished_requests():
         windows = [seq.lookup.window for seq in seqs]
         before = engine.num_draft_tokens, engine.num_accepted_tokens
         engine.step()
         drafted = engine.num_draft_tokens - before[0]
-        assert drafted <= sum(min(4, w) for w, seq in zip(windows, seqs))
-        proposed_any |= drafted > 0
+        assert drafted <= sum(min(4, max(w, floor)) for w in windows)
+        beyond_windows |= drafted > sum(min(4, w) for w in windows)
         kept = engine.num_accepted_tokens - before[1]
         grew = sum(seq.lookup.window > w for w, seq in zip(windows, seqs))
         assert grew <= kept  # a window grows only when its whole proposal was kept
         grew_any |= grew > 0
     # every window starts at 1, so the first token kept was a whole proposal
-    assert proposed_any and engine.num_accepted_tokens > 0 and grew_any
+    assert engine.num_accepted_tokens > 0 and grew_any
+    assert not beyond_windows or floor > 0  # only a floor lets a step past the windows
+    assert engine.block_manager.num_free_blocks == 128
+
+
+def test_a_sequence_proposes_up_to_the_larger_of_its_window_and_the_floor(tiny_model_dir):
+    scheduler = LLM(tiny_model_dir, dtype="float32", num_blocks=16, num_speculative_tokens=4).engine.scheduler
+    seq = Sequence("r", None, [5, 6, 7, 8, 9, 10] * 3, SamplingParams(max_tokens=50), RequestMetrics(0.0),
+                   max_tokens=50)
+    proposed = []
+    for window, floor in [(1, 0), (1, 3), (2, 0), (2, 1), (8, 0), (1, 9)]:
+        seq.lookup.window, scheduler._proposal_floor = window, floor
+        proposed.append(len(scheduler._draft(seq, budget=100)))
+    assert proposed == [1, 3, 2, 2, 4, 4]  # never past num_speculative_tokens
+    scheduler._proposal_floor = 4
+    assert len(scheduler._draft(seq, budget=2)) == 2  # nor the step's budget
 
 
 @pytest.mark.parametrize("engine_args", [
