@@ -3,7 +3,7 @@
 // a decode step reads every layer's weights once.
 // Here the weight is packed once at load into panels of 64 output columns that are each one contiguous stream, so
 // the hardware prefetchers run ahead from the first cache line, and the next item's panel is prefetched while the
-// current one is computed.
+// current one is computed. Threads claim items as they go (claimed_for.h).
 //
 // Layout (Bf16Weight.pack): packed [P, K/2, 4, 32] bf16: element 2i + j of [p, kp, c] = W[64p + 16c + i, 2kp + j]
 // (i < 16, j < 2): one 64-byte load is one tile's k-pair in vdpbf16ps's lane order.
@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "claimed_for.h"
 
 namespace {
 
@@ -110,16 +112,15 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed) {
   int64_t blocks = 1;
   while (blocks * P < 4 * threads && M / (2 * blocks) >= kRows) blocks *= 2;
   const int64_t row_block = (M + blocks - 1) / blocks;
-  at::parallel_for(0, blocks * P, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / blocks, rb = i % blocks;
-      const uint16_t* panel = pk + p * panel_elems;
-      if (rb == 0 && i + blocks < i1) prefetch_panel(panel + panel_elems, std::min<int64_t>(panel_bytes, 8192));
-      const int64_t r1 = std::min(M, (rb + 1) * row_block);
-      int64_t r = rb * row_block;
-      for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, xp + r * K, K, op + r * N + p * kPanel, N);
-      if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, xp + r * K, K, op + r * N + p * kPanel, N);
-    }
+  for_each_claimed(blocks * P, 1, [&](int64_t i, int64_t after) {
+    const int64_t p = i / blocks, rb = i % blocks;
+    const uint16_t* panel = pk + p * panel_elems;
+    if (after >= 0 && after / blocks != p)
+      prefetch_panel(pk + after / blocks * panel_elems, std::min<int64_t>(panel_bytes, 8192));
+    const int64_t r1 = std::min(M, (rb + 1) * row_block);
+    int64_t r = rb * row_block;
+    for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, xp + r * K, K, op + r * N + p * kPanel, N);
+    if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, xp + r * K, K, op + r * N + p * kPanel, N);
   });
 #endif
   return out;

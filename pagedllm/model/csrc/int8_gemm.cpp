@@ -19,7 +19,8 @@
 // Register blocking: 6 rows x 4 tiles of int32 sums (24 zmm) plus the 4 weight vectors and a row's broadcast group;
 // the inner loop is 4 weight loads, 6 broadcasts and 24 vpdpbusd (broadcasting from memory in every vpdpbusd,
 // {1to16}, made it 28 loads for 24 products, the bound: the lm_head ran 1.1-1.5 against 1.6-1.8 TOP/s on Zen 5,
-// docs/scripts/gemm_kernels_speed.py). Threads take panels (and blocks of rows when M is large): a panel is
+// docs/scripts/gemm_kernels_speed.py). Threads claim runs of panels (and blocks of rows when M is large) as they go
+// (claimed_for.h): a panel is
 // 36 KB at K = 576, so it stays in L1/L2 while every row of x passes over it.
 
 #include <ATen/ATen.h>
@@ -32,9 +33,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "claimed_for.h"
+
 namespace {
 
 constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6, kMaxBlockRows = 192, kMaxK = 66308;
+constexpr int64_t kClaimRun = 16;  // panels a thread claims at a time: 576 KB of the lm_head's at K = 576
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kSupported = true;
@@ -152,15 +156,13 @@ void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t 
   int64_t row_block = (M + blocks - 1) / blocks;
   if (row_block > kRows) row_block = (row_block + kRows - 1) / kRows * kRows;
   blocks = (M + row_block - 1) / row_block;
-  at::parallel_for(0, blocks * P, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t rb = i / P, p = i % P;
-      const uint8_t* panel = packed + p * G * kTiles * 64;
-      const int64_t r1 = std::min(M, (rb + 1) * row_block);
-      int64_t r = rb * row_block;
-      for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, x + r * K, K, G, r, p * kPanel, e);
-      if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, x + r * K, K, G, r, p * kPanel, e);
-    }
+  for_each_claimed(blocks * P, kClaimRun, [&](int64_t i, int64_t) {
+    const int64_t rb = i / P, p = i % P;
+    const uint8_t* panel = packed + p * G * kTiles * 64;
+    const int64_t r1 = std::min(M, (rb + 1) * row_block);
+    int64_t r = rb * row_block;
+    for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, x + r * K, K, G, r, p * kPanel, e);
+    if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, x + r * K, K, G, r, p * kPanel, e);
   });
 }
 #else
