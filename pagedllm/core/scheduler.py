@@ -66,7 +66,8 @@ class Scheduler:
         out = SchedulerOutput(budget=self.max_num_batched_tokens)
         self._drafts.clear()
         speculate = self._may_speculate()
-        self._proposal_floor = self.gate.proposal_floor(self.num_running_seqs, self.num_speculative_tokens)
+        self._proposal_floor = (self.gate.proposal_floor(self.num_running_seqs, self.num_speculative_tokens)
+                                if speculate else 0)
         for group in sorted(self.running, key=lambda g: not g.is_decoding):  # stable: decodes first, FCFS within
             if out.budget == 0:
                 break

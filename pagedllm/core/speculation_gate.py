@@ -160,9 +160,10 @@ class SpeculationGate:
         rows = []
         for index, bucket in sorted(self.buckets.items()):
             gain = math.exp(bucket.log_gain) if bucket.pairs else None
+            cost = bucket.row_cost
             rows.append({"running": f"{1 << (index - 1)}-{(1 << index) - 1}", "steps": bucket.steps,
                          "comparisons": len(bucket.pairs),
                          "drafts_gain": round(gain, 3) if gain is not None else None,
                          "drafts": bucket.drafts_pay if bucket.settled else None,
-                         "row_cost": None if bucket.row_cost is None else round(bucket.row_cost, 3)})
+                         "row_cost": None if cost is None else round(cost, 3)})
         return rows
