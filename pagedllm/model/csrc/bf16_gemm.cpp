@@ -1,9 +1,12 @@
 // x @ W.T in bf16 for the layer matmuls of decode-sized steps (tens of rows), where oneDNN's packed matmul spends
 // ~12% of its time at 64 rows on the first reads of each weight from memory (docs/scripts/linear_cold_weights.py):
 // a decode step reads every layer's weights once.
-// Here the weight is packed once at load into panels of 64 output columns that are each one contiguous stream, so
-// the hardware prefetchers run ahead from the first cache line, and the next item's panel is prefetched while the
-// current one is computed. Threads claim items as they go (claimed_for.h).
+// Here the weight is packed once at load into panels of 64 output columns that are each one contiguous stream.
+// Threads claim panels as they go (claimed_for.h), so a thread's next panel is not the adjacent one and the hardware
+// prefetchers cannot run into it: the thread prefetches it itself, into L2, a slice during each pass of rows over
+// the current panel (NextPanel), so that memory and arithmetic overlap. Before, only its first 8 KB were fetched
+// ahead and the first pass over each panel waited on memory: bf16_gemm ran 5-20% slower at 16-64 rows on Zen 5
+// (docs/scripts/gemm_kernels_speed.py).
 //
 // Layout (Bf16Weight.pack): packed [P, K/2, 4, 32] bf16: element 2i + j of [p, kp, c] = W[64p + 16c + i, 2kp + j]
 // (i < 16, j < 2): one 64-byte load is one tile's k-pair in vdpbf16ps's lane order.
@@ -33,13 +36,46 @@ constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kSupported = true;
 
+// Cache lines of one slice, prefetched a few per step of a loop of `steps` (`step()`), not in one burst.
+class SlicePrefetch {
+ public:
+  SlicePrefetch(const char* from, int64_t lines, int64_t steps)
+      : p_(from), left_(lines), per_(steps > 0 ? (lines + steps - 1) / steps : lines) {}
+
+  inline void step() {
+    for (int64_t j = 0; j < per_ && left_ > 0; ++j, --left_, p_ += 64) _mm_prefetch(p_, _MM_HINT_T1);
+  }
+
+ private:
+  const char* p_;
+  int64_t left_, per_;
+};
+
+// The next panel (`bytes` long, or none: nullptr) cut into `passes` slices: slice j for pass j over the current one,
+// prefetched over a loop of `steps`.
+struct NextPanel {
+  const char* base;
+  int64_t lines, passes;
+
+  NextPanel(const void* next, int64_t bytes, int64_t passes)
+      : base(static_cast<const char*>(next)), lines(next != nullptr ? bytes / 64 : 0),
+        passes(passes > 0 ? passes : 1) {}
+
+  SlicePrefetch slice(int64_t j, int64_t steps) const {
+    const int64_t lo = j * lines / passes, hi = (j + 1) * lines / passes;
+    return SlicePrefetch(base + lo * 64, hi - lo, steps);
+  }
+};
+
 inline void dpbf16(__m512& acc, __m512 w, __m512i x2) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x2));
 }
 
-// R rows of x (row stride K) against one panel: sums in registers over all of K, then rounded into out.
+// R rows of x (row stride K) against one panel: sums in registers over all of K, then rounded into out; `pf`, a
+// slice of the thread's next panel, streams into L2 meanwhile.
 template <int R>
-inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::BFloat16* out, int64_t ldo) {
+inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::BFloat16* out, int64_t ldo,
+                       SlicePrefetch pf) {
   __m512 acc[R][kTiles];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -47,6 +83,7 @@ inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::
     for (int c = 0; c < kTiles; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t KP = K / 2;
   for (int64_t kp = 0; kp < KP; ++kp) {
+    pf.step();
     const uint16_t* wk = panel + kp * kPanel * 2;
     __m512 w[kTiles];
 #pragma GCC unroll 4
@@ -71,16 +108,11 @@ inline void panel_rows(const uint16_t* panel, const uint16_t* x, int64_t K, at::
 // The last n < kRows rows of a block.
 template <int R>
 inline void panel_tail(int64_t n, const uint16_t* panel, const uint16_t* x, int64_t K, at::BFloat16* out,
-                       int64_t ldo) {
+                       int64_t ldo, SlicePrefetch pf) {
   if constexpr (R >= 1) {
-    if (n == R) return panel_rows<R>(panel, x, K, out, ldo);
-    panel_tail<R - 1>(n, panel, x, K, out, ldo);
+    if (n == R) return panel_rows<R>(panel, x, K, out, ldo, pf);
+    panel_tail<R - 1>(n, panel, x, K, out, ldo, pf);
   }
-}
-
-inline void prefetch_panel(const uint16_t* panel, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(panel);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
 #else
 constexpr bool kSupported = false;
@@ -115,12 +147,14 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed) {
   for_each_claimed(blocks * P, 1, [&](int64_t i, int64_t after) {
     const int64_t p = i / blocks, rb = i % blocks;
     const uint16_t* panel = pk + p * panel_elems;
-    if (after >= 0 && after / blocks != p)
-      prefetch_panel(pk + after / blocks * panel_elems, std::min<int64_t>(panel_bytes, 8192));
-    const int64_t r1 = std::min(M, (rb + 1) * row_block);
-    int64_t r = rb * row_block;
-    for (; r + kRows <= r1; r += kRows) panel_rows<kRows>(panel, xp + r * K, K, op + r * N + p * kPanel, N);
-    if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, xp + r * K, K, op + r * N + p * kPanel, N);
+    const int64_t r0 = rb * row_block, r1 = std::min(M, (rb + 1) * row_block);
+    const bool ahead = after >= 0 && after / blocks != p;  // after: claimed before this item started
+    const NextPanel next(ahead ? pk + after / blocks * panel_elems : nullptr, panel_bytes,
+                         (r1 - r0 + kRows - 1) / kRows);
+    int64_t r = r0, j = 0;
+    for (; r + kRows <= r1; r += kRows, ++j)
+      panel_rows<kRows>(panel, xp + r * K, K, op + r * N + p * kPanel, N, next.slice(j, K / 2));
+    if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, xp + r * K, K, op + r * N + p * kPanel, N, next.slice(j, K / 2));
   });
 #endif
   return out;
