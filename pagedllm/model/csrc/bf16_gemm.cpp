@@ -5,8 +5,8 @@
 // Threads claim panels as they go (claimed_for.h), so a thread's next panel is not the adjacent one and the hardware
 // prefetchers cannot run into it: the thread prefetches it itself, into L2, a slice during each pass of rows over
 // the current panel (NextPanel), so that memory and arithmetic overlap. Before, only its first 8 KB were fetched
-// ahead and the first pass over each panel waited on memory: bf16_gemm ran 5-20% slower at 16-64 rows on Zen 5
-// (docs/scripts/gemm_kernels_speed.py).
+// ahead and the first pass over each panel waited on memory: the kernel table (`pagedllm bench kernels`) timed it
+// 3-24% slower at 16-128 rows on Zen 5, level at 256.
 //
 // Layout (Bf16Weight.pack): packed [P, K/2, 4, 32] bf16: element 2i + j of [p, kp, c] = W[64p + 16c + i, 2kp + j]
 // (i < 16, j < 2): one 64-byte load is one tile's k-pair in vdpbf16ps's lane order.
