@@ -46,7 +46,8 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # the table's fields change (2: the fp32 int4 kernel, csrc/int4_linear_f32.cpp; 3: the bounded-shapes decision; 4: it
 # is timed inside the oneDNN range; 5: each sample on other layers' weights; 6: bf16_gemm and int8_gemm broadcast
 # each activation once into a register, 8-25% faster per call on Zen 5: docs/scripts/gemm_kernels_speed.py; 7:
-# bf16_gemm prefetches a thread's whole next panel while it computes the current one, 5-20% faster at 16-64 rows).
+# bf16_gemm prefetches a thread's whole next panel while it computes the current one, 3-24% faster at 16-128 rows in
+# Zen 5's table).
 KERNELS_VERSION = "7"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
