@@ -47,8 +47,9 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # is timed inside the oneDNN range; 5: each sample on other layers' weights; 6: bf16_gemm and int8_gemm broadcast
 # each activation once into a register, 8-25% faster per call on Zen 5: docs/scripts/gemm_kernels_speed.py; 7:
 # bf16_gemm prefetches a thread's whole next panel while it computes the current one, 3-24% faster at 16-128 rows in
-# Zen 5's table).
-KERNELS_VERSION = "7"
+# Zen 5's table; 8: the int8 lm_head adds its outlier channels' product as it writes the logits, instead of a bf16
+# addmm over them afterwards: the greedy logits pass 23% faster at 64 rows, docs/scripts/logits_pass.py).
+KERNELS_VERSION = "8"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5

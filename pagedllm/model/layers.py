@@ -161,24 +161,24 @@ class Int8Weight:
         channels largest in this call go through the plain weight and the rest through int8, as LLM.int8() splits
         them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale per row that holds
         them leaves the others a few steps each."""
-        split = self.outliers and x.shape[0] > 0
-        if split:
+        big = w = None
+        if self.outliers and x.shape[0] > 0:  # their product is added as the int8 one is written (one rounding)
             channels = x.abs().amax(dim=0).topk(self.outliers).indices
-            big, x = x[:, channels], x.index_fill(1, channels, 0)
-        out = self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel)
-        if split:
-            out.addmm_(big, self.plain_t[channels])
-        return out
+            big, x = x.index_select(1, channels).float(), x.index_fill(1, channels, 0)
+            w = self.plain_t.index_select(0, channels)
+        return self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel, big, w)
 
-    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool, big: torch.Tensor | None,
+                 w: torch.Tensor | None) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous())
         out = x.new_empty(x.shape[0], self.out_features)
         if kernel:
-            self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out)
+            self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out, big, w)
             return out
         for cols in self.blocks:
             acc = torch._int_mm(q, self.q_t[:, cols])
-            self.ext.dequantize_int32(acc, scale, self.scale[cols], None if bias is None else bias[cols], out[:, cols])
+            self.ext.dequantize_int32(acc, scale, self.scale[cols], None if bias is None else bias[cols], out[:, cols],
+                                      big, None if w is None else w[:, cols])
         return out
 
 

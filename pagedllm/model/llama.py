@@ -220,5 +220,6 @@ class LlamaModel:
         return exact, ids, lse
 
     def _exact_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [S, k] of the token ids [S, k]."""
-        return torch.einsum("sd,skd->sk", hidden.float(), self.lm_head[ids].float())
+        """fp32 logits [S, k] of the token ids [S, k] (index_select: advanced indexing took 4-6x longer here)."""
+        rows = self.lm_head.index_select(0, ids.reshape(-1)).view(*ids.shape, -1)
+        return torch.einsum("sd,skd->sk", hidden.float(), rows.float())

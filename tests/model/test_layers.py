@@ -440,6 +440,41 @@ def test_int8_gemm_equals_the_exact_product(ext, rows: int, cols: int, inputs: i
         assert ((out.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rows", [1, 7, 13])
+def test_int8_gemm_adds_the_outlier_product_as_dequantize_int32_does(ext, rows: int) -> None:
+    """With extra_x [M, E] and extra_w [E, N] both int8 paths add extra_x @ extra_w into the scaled sums before the
+    one rounding into the output, channel after channel, so they give the same bits (every row block, the last
+    panel's masked columns, bf16 or fp32 weights, a block of columns of a wider weight for dequantize_int32)."""
+    if not ext.int8_gemm_supported():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    cols, inputs, E = 100, 64, 3
+    q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), 7)
+    gen = torch.Generator().manual_seed(1)
+    row_scale, col_scale = torch.rand(rows, generator=gen) / 100, torch.rand(cols, generator=gen) / 100
+    big, wide = torch.randn(rows, E, generator=gen) * 20, torch.randn(E, cols + 28, generator=gen)
+    acc = torch.empty(rows, cols, dtype=torch.int32)
+    ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, acc)
+    for dtype, w_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.bfloat16, torch.float32)]:
+        extra_w = wide[:, 28:].to(w_dtype)
+        out, old = torch.empty(rows, cols, dtype=dtype), torch.empty(rows, cols, dtype=dtype)
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, out, big, extra_w.contiguous())
+        ext.dequantize_int32(acc, row_scale, col_scale, None, old, big, extra_w)
+        assert torch.equal(out, old)
+        ref = (acc.double() * row_scale.double()[:, None] * col_scale.double()
+               + big.double() @ extra_w.double())
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -20 if dtype == torch.float32 else 2 ** -8,
+                                   atol=1e-5 * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="go together"):
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, out, big, None)
+    with pytest.raises(RuntimeError, match="extra_w"):
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, out, big, wide)
+    with pytest.raises(RuntimeError, match="extra_x"):
+        ext.dequantize_int32(acc, row_scale, col_scale, None, old, big.double(), wide[:, 28:])
+    with pytest.raises(RuntimeError, match="no scales"):
+        ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, acc, big, wide[:, 28:].contiguous())
+
+
 def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
     """out may be a block of columns of a wider tensor: only that block is written."""
     if not ext.int8_gemm_supported():

@@ -21,9 +21,11 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
 bool int4_linear_f32_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
-                      const c10::optional<at::Tensor>& bias, at::Tensor& out);
+                      const c10::optional<at::Tensor>& bias, at::Tensor& out, const c10::optional<at::Tensor>& extra_x,
+                      const c10::optional<at::Tensor>& extra_w);
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
-               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out);
+               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w);
 bool int8_gemm_supported();
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
 bool bf16_gemm_supported();
@@ -48,9 +50,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_f32_supported", &int4_linear_f32_supported, "Whether this build has int4_linear_f32's "
         "instructions");
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 with its own scale (absmax / 127)", nogil);
-  m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)", nogil);
-  m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) for an int8 "
-        "weight packed for VNNI (Int8Weight.pack); the raw int32 sums when out is int32", nogil);
+  namespace py = pybind11;
+  m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias) "
+        "(+ extra_x @ extra_w)", py::arg("acc"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
+        py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
+  m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) (+ extra_x @ "
+        "extra_w) for an int8 weight packed for VNNI (Int8Weight.pack); the raw int32 sums when out is int32",
+        py::arg("q"), py::arg("packed"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("out"),
+        py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
   m.def("bf16_gemm", &bf16_gemm, "x @ W.T in bf16 for a weight packed in panels of 64 columns (Bf16Weight.pack)",
         nogil);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this build has bf16_gemm's instructions");

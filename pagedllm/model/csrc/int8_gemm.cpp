@@ -1,7 +1,8 @@
 // The int8 GEMM of the w8a8 linear layers (Int8Weight), above all the lm_head: x [M, K] int8 (one scale per row,
 // quantize_rows_int8) times W [N, K] int8 (one scale per output row), exact int32 sums, then scaled back to the
 // output dtype straight into the output (out = acc * row_scale * col_scale (+ bias)), with no int32 [M, N]
-// temporary. The weight is packed once at load (Int8Weight); torch._int_mm got a plain weight on every call and
+// temporary. The lm_head's outlier channels (Int8Weight.mm) are added in the same pass, before the one rounding:
+// as a bf16 addmm over the written logits they took ~1 ms of a 64-row step (docs/scripts/logits_pass.py). The weight is packed once at load (Int8Weight); torch._int_mm got a plain weight on every call and
 // oneDNN reordered it each time, which made the lm_head (K = 576, N = 49,152) no faster than bf16.
 //
 // vpdpbusd multiplies unsigned bytes (its first source) by signed bytes (its second). The activations are the
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "claimed_for.h"
+#include "int8_extra.h"
 
 namespace {
 
@@ -70,8 +72,8 @@ inline void dpbusd(__m512i& acc, __m512i w, __m512i x4) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x4));
 }
 
-// What the epilogue needs besides the sums: where they go and how they scale.
-template <typename T>
+// What the epilogue needs besides the sums: where they go, how they scale, and the outlier channels' product.
+template <typename T, typename W = T>
 struct Epilogue {
   const int32_t* xsum128;  // 128 * sum_k x[r, k] per row
   const float* row_scale;  // [M], unused for int32 output
@@ -79,13 +81,16 @@ struct Epilogue {
   const T* bias;           // [N] or nullptr
   T* out;
   int64_t ldo, n;          // row stride of out, valid columns
+  const float* extra_x = nullptr;  // [M, E]: inputs kept out of the int8 product (Int8Weight's outlier channels)
+  const W* extra_w = nullptr;      // [E, N] (row stride ldw): their rows of the plain weight
+  int64_t E = 0, ldw = 0;
 };
 
 // R rows of x (row stride ldx) against one panel (G k-groups): sums in registers over all of K, then the epilogue
 // for columns [col0, col0 + 64) of those rows.
-template <int R, typename T>
+template <int R, typename T, typename W>
 inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
-                       const Epilogue<T>& e) {
+                       const Epilogue<T, W>& e) {
   __m512i acc[R][kTiles];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -111,42 +116,63 @@ inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64
     const int64_t valid = std::clamp<int64_t>(e.n - col0 - c * kTile, 0, kTile);
     masks[c] = static_cast<__mmask16>((1u << valid) - 1u);
   }
+  if constexpr (std::is_same_v<T, int32_t>) {
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = row0 + r;
-    const __m512i shift = _mm512_set1_epi32(e.xsum128[row]);
-    T* o = e.out + row * e.ldo + col0;
+    for (int r = 0; r < R; ++r) {
+      const __m512i shift = _mm512_set1_epi32(e.xsum128[row0 + r]);
 #pragma GCC unroll 4
-    for (int c = 0; c < kTiles; ++c) {
-      const __m512i sums = _mm512_sub_epi32(acc[r][c], shift);
-      if constexpr (std::is_same_v<T, int32_t>) {
-        _mm512_mask_storeu_epi32(o + c * kTile, masks[c], sums);
-      } else {
-        if (masks[c] == 0) continue;
-        // (acc * row_scale) * col_scale (+ bias in the same rounding), as dequantize_int32 computes it (GCC contracts
-        // its loop to that FMA), so the two paths give the same bits
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(e.row_scale[row]));
+      for (int c = 0; c < kTiles; ++c)
+        _mm512_mask_storeu_epi32(e.out + (row0 + r) * e.ldo + col0 + c * kTile, masks[c],
+                                 _mm512_sub_epi32(acc[r][c], shift));
+    }
+    return;
+  } else {
+    // (acc * row_scale) * col_scale (+ bias in the same rounding), then + x_e * w_e for each outlier channel e in
+    // turn, each an FMA, as dequantize_int32 computes them, so the two paths give the same bits
+    __m512 v[R][kTiles];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i shift = _mm512_set1_epi32(e.xsum128[row0 + r]);
+      const __m512 rs = _mm512_set1_ps(e.row_scale[row0 + r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kTiles; ++c) {
         const __m512 cs = load(e.col_scale + col0 + c * kTile, masks[c]);
-        store(o + c * kTile, e.bias == nullptr ? _mm512_mul_ps(v, cs)
-                                               : _mm512_fmadd_ps(v, cs, load(e.bias + col0 + c * kTile, masks[c])),
-              masks[c]);
+        const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], shift)), rs);
+        v[r][c] = e.bias == nullptr ? _mm512_mul_ps(a, cs)
+                                    : _mm512_fmadd_ps(a, cs, load(e.bias + col0 + c * kTile, masks[c]));
       }
     }
+    for (int64_t j = 0; j < e.E; ++j) {
+      __m512 w[kTiles];
+#pragma GCC unroll 4
+      for (int c = 0; c < kTiles; ++c) w[c] = load(e.extra_w + j * e.ldw + col0 + c * kTile, masks[c]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 xe = _mm512_set1_ps(e.extra_x[(row0 + r) * e.E + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < kTiles; ++c) v[r][c] = _mm512_fmadd_ps(xe, w[c], v[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < kTiles; ++c)
+        if (masks[c] != 0) store(e.out + (row0 + r) * e.ldo + col0 + c * kTile, v[r][c], masks[c]);
   }
 }
 
 // The last n < kRows rows of a block.
-template <int R, typename T>
+template <int R, typename T, typename W>
 inline void panel_tail(int64_t n, const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0,
-                       int64_t col0, const Epilogue<T>& e) {
+                       int64_t col0, const Epilogue<T, W>& e) {
   if constexpr (R >= 1) {
     if (n == R) return panel_rows<R>(panel, x, ldx, G, row0, col0, e);
     panel_tail<R - 1>(n, panel, x, ldx, G, row0, col0, e);
   }
 }
 
-template <typename T>
-void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T>& e) {
+template <typename T, typename W>
+void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T, W>& e) {
   const int64_t G = K / 4;
   // Blocks of rows when M is large (x's block stays in L2 while the panels pass; each block reads the weights once
   // more, ~1 ms against ~20 ms of arithmetic), and also when there are too few panels to share among the threads.
@@ -174,7 +200,8 @@ constexpr bool kSupported = false;
 bool int8_gemm_supported() { return kSupported; }
 
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
-               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+               const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w) {
   TORCH_CHECK(kSupported, "int8_gemm needs AVX512-VNNI (this build has no such instructions)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "q must be a contiguous int8 CPU matrix [M, K]");
@@ -193,9 +220,10 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
   const at::ScalarType dtype = out.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kInt, "out must be float32, bfloat16 "
               "or int32 (the raw sums)");
+  const int64_t E = extra_check(extra_x, extra_w, M, N);
   if (dtype == at::kInt) {
-    TORCH_CHECK(!row_scale.has_value() && !col_scale.has_value() && !bias.has_value(),
-                "int32 output takes no scales or bias");
+    TORCH_CHECK(!row_scale.has_value() && !col_scale.has_value() && !bias.has_value() && E == 0,
+                "int32 output takes no scales, bias or extra product");
   } else {
     TORCH_CHECK(row_scale.has_value() && row_scale->scalar_type() == at::kFloat && row_scale->numel() == M &&
                     row_scale->is_contiguous(), "row_scale must be float32 [M]");
@@ -217,17 +245,24 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
   });
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   if (dtype == at::kInt) {
-    gemm<int32_t>(xp, M, K, pk, P,
-                  {xsum128.data(), nullptr, nullptr, nullptr, out.data_ptr<int32_t>(), out.stride(0), N});
+    gemm<int32_t, int32_t>(xp, M, K, pk, P,
+                           {xsum128.data(), nullptr, nullptr, nullptr, out.data_ptr<int32_t>(), out.stride(0), N});
     return;
   }
-  const auto run = [&](auto* o) {
+  const auto run = [&](auto* o, auto* w) {
     using T = std::remove_pointer_t<decltype(o)>;
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
     const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    gemm<T>(xp, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
-                              out.stride(0), N});
+    gemm<T, W>(xp, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
+                                 out.stride(0), N, E ? extra_x->data_ptr<float>() : nullptr, w, E,
+                                 E ? extra_w->stride(0) : 0});
   };
-  if (dtype == at::kFloat) run(out.data_ptr<float>());
-  else run(out.data_ptr<at::BFloat16>());
+  const bool w32 = E && extra_w->scalar_type() == at::kFloat;
+  const auto with_w = [&](auto* o) {
+    if (w32) run(o, extra_w->data_ptr<float>());
+    else run(o, E ? extra_w->data_ptr<at::BFloat16>() : static_cast<at::BFloat16*>(nullptr));
+  };
+  if (dtype == at::kFloat) with_w(out.data_ptr<float>());
+  else with_w(out.data_ptr<at::BFloat16>());
 #endif
 }

@@ -12,7 +12,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "int8_extra.h"
 
 namespace {
 
@@ -62,20 +65,35 @@ void quantize_rows(const T* x, int8_t* q, float* scale, int64_t rows, int64_t n)
   });
 }
 
-template <typename T>
+// The outlier channels' product (int8_extra.h): x [rows, E], w [E, n] with row stride ldw; E = 0: none.
+template <typename W>
+struct Extra {
+  const float* x;
+  const W* w;
+  int64_t E, ldw;
+};
+
+template <typename T, typename W>
 void dequantize_rows(const int32_t* acc, const float* row_scale, const float* col_scale, const T* bias, T* out,
-                     int64_t out_stride, int64_t rows, int64_t n) {
+                     int64_t out_stride, int64_t rows, int64_t n, const Extra<W>& ex) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> v(n);
     for (int64_t r = r0; r < r1; ++r) {
       const int32_t* a = acc + r * n;
       const float s = row_scale[r];
       T* o = out + r * out_stride;
       if (bias != nullptr) {
         for (int64_t i = 0; i < n; ++i)
-          o[i] = static_cast<T>(static_cast<float>(a[i]) * s * col_scale[i] + static_cast<float>(bias[i]));
+          v[i] = static_cast<float>(a[i]) * s * col_scale[i] + static_cast<float>(bias[i]);
       } else {
-        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(a[i]) * s * col_scale[i]);
+        for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(a[i]) * s * col_scale[i];
       }
+      for (int64_t j = 0; j < ex.E; ++j) {  // one FMA per channel, in int8_gemm's order
+        const float xj = ex.x[r * ex.E + j];
+        const W* w = ex.w + j * ex.ldw;
+        for (int64_t i = 0; i < n; ++i) v[i] = std::fma(xj, static_cast<float>(w[i]), v[i]);
+      }
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(v[i]);
     }
   });
 }
@@ -95,8 +113,22 @@ std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   return {q, scale};
 }
 
+int64_t extra_check(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& w, int64_t M, int64_t N) {
+  TORCH_CHECK(x.has_value() == w.has_value(), "extra_x and extra_w go together");
+  if (!x.has_value()) return 0;
+  TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(0) == M &&
+                  x->is_contiguous(), "extra_x must be a contiguous float32 [M, E]");
+  const int64_t E = x->size(1);
+  TORCH_CHECK(w->device().is_cpu() && (w->scalar_type() == at::kFloat || w->scalar_type() == at::kBFloat16) &&
+                  w->dim() == 2 && w->size(0) == E && w->size(1) == N && (N <= 1 || w->stride(1) == 1) &&
+                  (E <= 1 || w->stride(0) >= N),
+              "extra_w must be float32 or bfloat16 [E, N] with contiguous rows (E = ", E, ", N = ", N, ")");
+  return E;
+}
+
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
-                      const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+                      const c10::optional<at::Tensor>& bias, at::Tensor& out, const c10::optional<at::Tensor>& extra_x,
+                      const c10::optional<at::Tensor>& extra_w) {
   TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), "acc must be int32 [M, N]");
   const int64_t rows = acc.size(0), n = acc.size(1);
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == rows && row_scale.is_contiguous(),
@@ -107,13 +139,20 @@ void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const 
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "out must be float32 or bfloat16");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == n && (n <= 1 || out.stride(1) == 1),
               "out must be [M, N] with contiguous rows (a block of columns of a wider tensor is fine)");
+  const int64_t E = extra_check(extra_x, extra_w, rows, n);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "dequantize_int32", [&] {
     const scalar_t* b = nullptr;
     if (bias.has_value()) {
       TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == n && bias->is_contiguous(), "bad bias");
       b = bias->data_ptr<scalar_t>();
     }
-    dequantize_rows<scalar_t>(acc.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
-                              b, out.data_ptr<scalar_t>(), out.stride(0), rows, n);
+    const auto run = [&](const auto* w) {
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+      const Extra<W> ex{E ? extra_x->data_ptr<float>() : nullptr, w, E, E ? extra_w->stride(0) : 0};
+      dequantize_rows<scalar_t, W>(acc.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                                   b, out.data_ptr<scalar_t>(), out.stride(0), rows, n, ex);
+    };
+    if (E && extra_w->scalar_type() == at::kFloat) run(extra_w->data_ptr<float>());
+    else run(E ? extra_w->data_ptr<at::BFloat16>() : static_cast<const at::BFloat16*>(nullptr));
   });
 }
