@@ -1,7 +1,9 @@
 """One decode step of BATCH sequences holding CTX tokens each, timed part by part with perf_counter wrappers.
 
-Works on this commit and on d7865a1 (before issue 6, which has no `pagedllm bench latency`), so the two can be
-compared side by side:
+For commits from d7865a1 (before issue 6, which has no `pagedllm bench latency`) up to ada2c4a, where the model
+began to bind its parts at build time; on later ones it times only the logits, with drafts on: there, use
+`pagedllm bench latency --batch-sizes 64 --context-lens 300 --num-speculative-tokens 0`, which times the same parts
+through the engine's own timers. Two old commits side by side:
     python docs/scripts/step_breakdown.py 128 300 [none]    (none: --quantization none)
     git worktree add /tmp/before d7865a1 && PYTHONPATH=/tmp/before python docs/scripts/step_breakdown.py 128 300
 (run from the repository root; the script's own folder is first on sys.path, so PYTHONPATH picks the engine).

@@ -63,6 +63,7 @@ def run_case(engine: Any, case: LatencyCase, steps: int, warmup: int, seed: int)
     sum to its wall time)."""
     from pagedllm.sampling_params import SamplingParams
 
+    engine.wait_for_kv_cache()  # as bench throughput and the server: no first touch of the pool inside the clock
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     engine.add_request("latency-warmup", torch.randint(0, vocab, (8,), generator=gen).tolist(),

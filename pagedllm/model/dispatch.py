@@ -48,7 +48,7 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # each activation once into a register, 8-25% faster per call on Zen 5: docs/scripts/gemm_kernels_speed.py; 7:
 # bf16_gemm prefetches a thread's whole next panel while it computes the current one, 3-24% faster at 16-128 rows in
 # Zen 5's table; 8: the int8 lm_head adds its outlier channels' product as it writes the logits, instead of a bf16
-# addmm over them afterwards: the greedy logits pass 23% faster at 64 rows, docs/scripts/logits_pass.py).
+# addmm over them afterwards: the greedy logits pass 11% faster at 64 rows, 14% at 256, docs/scripts/logits_pass.py).
 KERNELS_VERSION = "8"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
