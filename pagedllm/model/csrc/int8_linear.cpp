@@ -73,27 +73,81 @@ struct Extra {
   int64_t E, ldw;
 };
 
+// v[q][0..m) += sum_j x[r0 + q, j] * w[j, i0 ..] for the R rows q < R (rows of v kCols apart): one FMA per channel
+// j in turn, in int8_gemm's order (so the same bits); 64 columns of R rows at a time in registers across the
+// channels, each of w's vectors widened once for the R rows.
+constexpr int64_t kCols = 512, kExtraRows = 4;
+
+template <int R, typename W>
+void add_extra(float* v, int64_t m, const Extra<W>& ex, int64_t r0, int64_t i0) {
+  const float* x = ex.x + r0 * ex.E;
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; i + 64 <= m; i += 64) {
+    __m512 a[R][4];
+    for (int q = 0; q < R; ++q)
+      for (int t = 0; t < 4; ++t) a[q][t] = _mm512_loadu_ps(v + q * kCols + i + 16 * t);
+    for (int64_t j = 0; j < ex.E; ++j) {
+      const W* w = ex.w + j * ex.ldw + i0 + i;
+      __m512 wv[4];
+      for (int t = 0; t < 4; ++t) wv[t] = load16(w + 16 * t, __mmask16(0xFFFF));
+      for (int q = 0; q < R; ++q) {
+        const __m512 xj = _mm512_set1_ps(x[q * ex.E + j]);
+        for (int t = 0; t < 4; ++t) a[q][t] = _mm512_fmadd_ps(xj, wv[t], a[q][t]);
+      }
+    }
+    for (int q = 0; q < R; ++q)
+      for (int t = 0; t < 4; ++t) _mm512_storeu_ps(v + q * kCols + i + 16 * t, a[q][t]);
+  }
+#endif
+  for (; i < m; ++i)
+    for (int q = 0; q < R; ++q)
+      for (int64_t j = 0; j < ex.E; ++j)
+        v[q * kCols + i] = std::fma(x[q * ex.E + j], static_cast<float>(ex.w[j * ex.ldw + i0 + i]), v[q * kCols + i]);
+}
+
+template <typename W>
+void add_extra_rows(int64_t R, float* v, int64_t m, const Extra<W>& ex, int64_t r0, int64_t i0) {
+  switch (R) {
+    case 4: return add_extra<4>(v, m, ex, r0, i0);
+    case 3: return add_extra<3>(v, m, ex, r0, i0);
+    case 2: return add_extra<2>(v, m, ex, r0, i0);
+    default: return add_extra<1>(v, m, ex, r0, i0);
+  }
+}
+
 template <typename T, typename W>
 void dequantize_rows(const int32_t* acc, const float* row_scale, const float* col_scale, const T* bias, T* out,
                      int64_t out_stride, int64_t rows, int64_t n, const Extra<W>& ex) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> v(n);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int32_t* a = acc + r * n;
-      const float s = row_scale[r];
-      T* o = out + r * out_stride;
-      if (bias != nullptr) {
-        for (int64_t i = 0; i < n; ++i)
-          v[i] = static_cast<float>(a[i]) * s * col_scale[i] + static_cast<float>(bias[i]);
-      } else {
-        for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(a[i]) * s * col_scale[i];
+  // Blocks of kCols columns, every row of one block before the next, so that the block's extra_w rows (E x kCols)
+  // stay in L1 across the rows (row by row over whole rows, the lm_head's 16 channels took 1.6 instead of 0.3 ms
+  // at 64 rows).
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (kCols * std::max<int64_t>(1, rows))), [&](int64_t b0,
+                                                                                                      int64_t b1) {
+    float v[kExtraRows * kCols];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i0 = b * kCols, m = std::min(kCols, n - i0);
+      const float* cs = col_scale + i0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kExtraRows) {
+        const int64_t R = std::min(kExtraRows, rows - r0);
+        for (int64_t q = 0; q < R; ++q) {
+          const int32_t* a = acc + (r0 + q) * n + i0;
+          const float s = row_scale[r0 + q];
+          float* vq = v + q * kCols;
+          if (bias != nullptr) {
+            const T* bb = bias + i0;
+            for (int64_t i = 0; i < m; ++i) vq[i] = static_cast<float>(a[i]) * s * cs[i] + static_cast<float>(bb[i]);
+          } else {
+            for (int64_t i = 0; i < m; ++i) vq[i] = static_cast<float>(a[i]) * s * cs[i];
+          }
+        }
+        if (ex.E > 0) add_extra_rows(R, v, m, ex, r0, i0);
+        for (int64_t q = 0; q < R; ++q) {
+          T* o = out + (r0 + q) * out_stride + i0;
+          for (int64_t i = 0; i < m; ++i) o[i] = static_cast<T>(v[q * kCols + i]);
+        }
       }
-      for (int64_t j = 0; j < ex.E; ++j) {  // one FMA per channel, in int8_gemm's order
-        const float xj = ex.x[r * ex.E + j];
-        const W* w = ex.w + j * ex.ldw;
-        for (int64_t i = 0; i < n; ++i) v[i] = std::fma(xj, static_cast<float>(w[i]), v[i]);
-      }
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(v[i]);
     }
   });
 }
