@@ -21,10 +21,10 @@
 //
 // Register blocking: 6 rows x 4 tiles of int32 sums (24 zmm) plus the 4 weight vectors and a row's broadcast group;
 // the inner loop is 4 weight loads, 6 broadcasts and 24 vpdpbusd (broadcasting from memory in every vpdpbusd,
-// {1to16}, made it 28 loads for 24 products, the bound: the lm_head ran 1.33-1.49 against 1.54-1.70 TOP/s at 64-256 rows on Zen 5,
-// docs/scripts/gemm_kernels_speed.py). Threads claim runs of panels (and blocks of rows when M is large) as they go
-// (claimed_for.h): a panel is
-// 36 KB at K = 576, so it stays in L1/L2 while every row of x passes over it.
+// {1to16}, made it 28 loads for 24 products, the bound: the lm_head ran 1.33-1.49 against 1.54-1.70 TOP/s at
+// 64-256 rows on Zen 5, docs/scripts/gemm_kernels_speed.py). Threads claim runs of panels (and blocks of rows when M
+// is large) as they go (claimed_for.h): a panel is 36 KB at K = 576, so it stays in L1/L2 while every row of x passes
+// over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
