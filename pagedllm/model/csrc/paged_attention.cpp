@@ -10,7 +10,8 @@
 //    first. Few long decodes are split into context partitions (flash-decoding), merged exactly.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the
-//    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed.
+//    softmax then needs no horizontal reductions and no [T, T] matrix is ever formed. Over a bf16 cache with
+//    bf16 queries (AVX512-BF16) both products run on vdpbf16ps (tile_bf16.h).
 // The cache holds float32, bfloat16, or int8 rows (uint8 records: head_dim values, then an fp16 scale and min per
 // group of kKvGroup, value = q * scale + min; quantised by write_kv below), converted to fp32 as they are read.
 // Vectors are GCC vector extensions (16 floats); with -march=native they compile to AVX-512 where present
