@@ -225,6 +225,15 @@ def test_cpp_equals_reference_on_single_sequences_and_big_batches(cpp: None, dty
     assert_close(b.run("cpp"), b.run("reference"))
 
 
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_bf16_prompt_tiles_equal_reference_at_other_head_dims(cpp: None, head_dim: int) -> None:
+    """The tiled kernel's bf16 path at head_dims past one 64-value block: its values' sums in blocks of 64 then 16."""
+    b = make_batch([(333, 333), (100, 37), (230, 130), (7, 7)], 9, 3, head_dim, 16, torch.bfloat16)
+    out = b.run(tile_min_rows=TILE)
+    assert out.dtype == torch.bfloat16 and out.shape == b.q.shape
+    assert_close(out, b.run("reference"))
+
+
 @pytest.mark.parametrize("kernel", [ROWS, TILE, DEFAULT], ids=["rows", "tile", "default"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 32])
