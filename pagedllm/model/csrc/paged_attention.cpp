@@ -403,6 +403,8 @@ __attribute__((always_inline)) inline void pv_bf16(float* O, int64_t D, const fl
 
 #endif
 
+#include "rows_int8.h"  // scores_8_int8 and pv_int8_rows, on AVX-512
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include "attention_avx2.h"  // dot_rows and pv_rows in 8-float vectors
 #else
@@ -597,6 +599,26 @@ void finish_rows(const Problem<kv_t>& P, const WorkItem& w, const float* acc, co
   }
 }
 
+#if defined(__AVX512F__)
+// Scores S[row][t] of one chunk over an int8 cache, 8 keys at a time, each record's groups widened in registers once
+// for the RG query rows of its kv head (rows gi * RG ..). Keys past cn score against zero_rec; softmax_chunk reads
+// only the keys each row sees.
+template <typename kv_t, typename F>
+void chunk_scores_int8(const Problem<kv_t>& P, const float* q, const int64_t* base, int64_t cn, int64_t head_off,
+                       int64_t ng, int64_t RG, const uint8_t* zero_rec, float* S, F&& prefetch) {
+  const int64_t D = P.D;
+  for (int64_t t0 = 0; t0 < cn; t0 += 8) {
+    for (int64_t t = t0; t < std::min<int64_t>(t0 + 8, cn); ++t) prefetch(t);
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const uint8_t* krec[8];
+      for (int64_t t = 0; t < 8; ++t)
+        krec[t] = t0 + t < cn ? reinterpret_cast<const uint8_t*>(P.k + base[t0 + t] + head_off + gi * P.RL) : zero_rec;
+      scores_8_int8_rows(q + gi * RG * D, krec, D, S + gi * RG * kRowsChunk + t0, kRowsChunk, RG);
+    }
+  }
+}
+#endif
+
 // Decodes and short chunks: rows = (query, head) pairs, scores as dot products over head_dim. Keys and
 // values are read token-major (a token's rows for all kv heads of the item are adjacent in the cache);
 // the next chunk's keys and this chunk's values are prefetched while the scores are computed.
@@ -635,6 +657,13 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   std::fill(m, m + NR, kNegInf);
   std::fill(l, l + NR, 0.0f);
   const int64_t head_off = w.kv_begin * P.RL;
+#if defined(__AVX512F__)
+  const bool int8_in_registers = std::is_same_v<kv_t, uint8_t> && D <= kMaxInt8Dim;
+#else
+  const bool int8_in_registers = false;
+#endif
+  const uint8_t* zero_rec = reinterpret_cast<const uint8_t*>(vbuf);  // a record of zeros: keys past a chunk's end
+  if (int8_in_registers) std::memset(vbuf, 0, P.RL);
 
   chunk_offsets(P, s, w.k_begin, std::min<int64_t>(C, k_end - w.k_begin), base_buf[0]);
   for (int64_t c0 = w.k_begin, ci = 0; c0 < k_end; c0 += C, ci ^= 1) {
@@ -647,14 +676,26 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       prefetch_l2(P.v + base[t] + head_off, span_bytes);
       if (t < next_cn) prefetch_l2(P.k + base_buf[ci ^ 1][t] + head_off, span_bytes);
     };
-    chunk_scores_f32(P, w, q, base, cn, c0, first_pos, kbuf, S, prefetch);
+    if (int8_in_registers) {
+#if defined(__AVX512F__)
+      chunk_scores_int8(P, q, base, cn, head_off, ng, RG, zero_rec, S, prefetch);
+#endif
+    } else {
+      chunk_scores_f32(P, w, q, base, cn, c0, first_pos, kbuf, S, prefetch);
+    }
     softmax_chunk(S, m, l, alpha, sums, NR, R, G, cn, c0, first_pos);
 
     // Values: acc = acc * alpha + P V, one kv head at a time, accumulators in registers; fp32 and bf16 rows are
-    // read in place, int8 records converted first.
+    // read in place, int8 records widened in registers (on AVX-512; elsewhere converted first).
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t r0 = gi * RG, off_g = head_off + gi * P.RL;
-      if constexpr (std::is_same_v<kv_t, uint8_t>) {
+      if (int8_in_registers) {
+#if defined(__AVX512F__)
+        const uint8_t* recs[C];
+        for (int64_t t = 0; t < cn; ++t) recs[t] = reinterpret_cast<const uint8_t*>(P.v + base[t] + off_g);
+        pv_int8_rows(acc + r0 * D, D, alpha + r0, S + r0 * C, C, recs, cn, RG);
+#endif
+      } else if constexpr (std::is_same_v<kv_t, uint8_t>) {
         if (gi == 0)
           for (int64_t t = 0; t < cn; ++t) rows_to_f32(P.v + base[t] + head_off, vbuf + t * span, D, ng);
         for (int64_t t = 0; t < cn; ++t) vrow[t] = vbuf + t * span + gi * D;
