@@ -1,6 +1,7 @@
-// attend_tile's scores over a bf16 cache for bf16 queries (AVX512-BF16): vdpbf16ps adds the products of two
-// values of head_dim at once, half the instructions of the fp32 FMA micro-kernel, and the keys are read in place
-// from the cache instead of being widened into a buffer first. Included by paged_attention.cpp.
+// attend_tile over a bf16 cache for bf16 queries (AVX512-BF16): vdpbf16ps adds two products at once, half the
+// instructions of the fp32 FMA micro-kernels, for the scores (pairs of head_dim values, the keys read in place from
+// the cache instead of widened into a buffer first) and for the values' sums (pairs of keys: the probabilities
+// rounded to bf16, the values packed in pairs once per chunk). Included by paged_attention.cpp.
 #pragma once
 
 #include <immintrin.h>
