@@ -14,23 +14,26 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.model import dispatch, machine_cache
+from pagedllm.model import attention_dispatch, dispatch, machine_cache
+from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.layers import PackedWeight
 from pagedllm.model.model_runner import ModelRunner, kernel_variant
 
 DTYPE_ROWS = (1, 64, 256)
 
 
-def build_untuned(config: EngineConfig) -> tuple[dict[str, list[PackedWeight]], torch.dtype, str]:
+def build_untuned(config: EngineConfig) -> tuple[ModelRunner, str]:
     """The engine's own model, with every form its flags allow still there (the engine drops the ones it routes
-    nowhere): built with the dispatch held at the static routes."""
-    previous = os.environ.get(dispatch.FORCE_ENV)
-    os.environ[dispatch.FORCE_ENV] = "static"
+    nowhere): built with the dispatch held at the static routes (matmuls and attention, measured afresh after)."""
+    held = {dispatch.FORCE_ENV: "static", attention_dispatch.FORCE_ENV: "static"}
+    previous = {name: os.environ.get(name) for name in held}
+    os.environ.update(held)
     try:
         runner, _, name = ModelRunner.from_config(config)
     finally:
-        os.environ.pop(dispatch.FORCE_ENV) if previous is None else os.environ.update({dispatch.FORCE_ENV: previous})
-    return runner.model.packed_weights(), runner.model.dtype, name
+        for var, value in previous.items():
+            os.environ.pop(var) if value is None else os.environ.update({var: value})
+    return runner, name
 
 
 def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
@@ -65,10 +68,26 @@ def print_table(table: dispatch.KernelTable) -> None:
     print(dispatch.bounded_shapes(table)[1])  # the decision, its inputs, and whether this process pads
 
 
+def print_attention(table: attention_dispatch.AttentionTable) -> None:
+    """The attention route's measurements: the row and tiled kernels per query-row count in each kind of step."""
+    kept = "cached" if machine_cache.quiet(table.load, table.others_cpu) else "not cached: the machine was busy"
+    print(f"\nattention, measured in {table.seconds:.2f} s ({kept}); times per call, the fastest of "
+          f"{attention_dispatch.SAMPLES}")
+    for regime, rows in table.rows.items():
+        print(f"{regime} steps: {attention_dispatch.REGIME_TEXT[regime]}")
+        print(f"{'rows':>6} {'row kernel':>11} {'tiled':>10} {'winner':>10}")
+        for i, r in enumerate(rows):
+            t_rows, t_tile = (table.times[regime][k][i] for k in ("rows", "tile"))
+            won = "tiled" if t_tile <= t_rows else "rows"
+            print(f"{r:>6} {t_rows * 1e6:>8.0f} us {t_tile * 1e6:>7.0f} us {won:>10}")
+    print(f"route: {table.summary()}")
+
+
 def cmd_kernels(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     torch.set_num_threads(config.num_threads)
-    weights, dtype, name = build_untuned(config)
+    runner, name = build_untuned(config)
+    weights, dtype = runner.model.packed_weights(), runner.model.dtype
     start = time.perf_counter()
     table = dispatch.tune(weights, dtype, name, refresh=True, variant=kernel_variant(config))
     if table is None:
@@ -85,9 +104,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {config.torch_dtype_name})")
     for i, rows in enumerate(DTYPE_ROWS):
         print(f"{rows:>6} " + " ".join(f"{d}={t[i] * 1e6:.0f} us" for d, t in dtypes.items()))
+    shape = AttentionShape.of(runner.model_config, dtype, runner.kv_dtype, runner.block_size)
+    _, attention = attention_dispatch.tune(shape, refresh=True)
+    if attention is not None:
+        print_attention(attention)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"table": table.__dict__, "dtype_rows": DTYPE_ROWS, "dtype_times": dtypes,
+            json.dump({"table": table.__dict__, "attention": attention and attention.__dict__,
+                       "dtype_rows": DTYPE_ROWS, "dtype_times": dtypes,
                        "machine": f"{platform.machine()} {os.cpu_count()} cpus"}, f, indent=1)
     return 0
 

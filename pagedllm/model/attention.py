@@ -9,7 +9,7 @@ owns ``q[query_start_loc[s]:query_start_loc[s+1]]``, which are the last tokens o
 Backends: ``"reference"`` gathers each sequence's blocks and runs a masked softmax in fp32 (the oracle of the
 tests); ``"cpp"`` runs ``csrc/paged_attention.cpp``, compiled once per source version into the torch
 extensions cache on first use; ``"auto"`` takes the kernel when it compiled and otherwise the reference, with
-one warning. ``pagedllm bench attention`` (pagedllm/bench_latency.py) times them against each other and against
+one warning. ``pagedllm bench attention`` (pagedllm/bench/attention.py) times them against each other and against
 the same kernel over consecutive blocks and SDPA over a dense cache.
 """
 
@@ -17,15 +17,27 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from pagedllm.model import kernels
 
-# A sequence whose step has at least this many query rows (queries x query heads per kv head) uses the tiled
-# prefill kernel, fewer the row (decode) kernel; measured crossover on this CPU.
-_TILE_MIN_ROWS = 20
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """Which kernel attends each sequence: the tiled (prefill) one from this many query rows (queries x query heads
+    per kv head), the row (decode) one below; `few_tile_min_rows` in steps of fewer than 4 sequences per thread,
+    where the row kernel splits contexts over threads. `tile_pairs`: bf16 tiles on vdpbf16ps where the CPU has it
+    (else their fp32 kernel). Measured where the engine runs (model/attention_dispatch.py)."""
+
+    tile_min_rows: int = 20
+    few_tile_min_rows: int = 20
+    tile_pairs: bool = True
+
+
+STATIC_ROUTE = AttentionRoute()  # the cut-off measured by hand on an Intel Xeon without AVX512-BF16
 
 _warned: set[str] = set()
 
@@ -80,7 +92,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto", route: AttentionRoute = STATIC_ROUTE) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context; returns ``q``'s shape and dtype.
 
     Query ``i`` of a sequence with ``n`` queries and ``context_lens[s]`` cached tokens (this step's included)
@@ -91,8 +103,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend == "reference":
         return _reference_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if backend == "cpp":
-        return _cpp_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                              max_query_len, _TILE_MIN_ROWS)
+        return cpp_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                              max_query_len, route)
     raise ValueError(f"unknown attention backend {backend!r}; expected 'auto', 'reference' or 'cpp'")
 
 
@@ -128,17 +140,18 @@ def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return dequantize_kv(cache_rows, head_dim) if cache_rows.dtype == torch.uint8 else cache_rows.float()
 
 
-def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                   tile_min_rows: int) -> torch.Tensor:
-    """The C++ kernel; ``tile_min_rows`` picks the kernel per sequence (tests force either one)."""
+                   route: AttentionRoute) -> torch.Tensor:
+    """The C++ kernel; ``route`` picks the kernel per sequence (tests and the dispatch force either one)."""
     ext = kernels.load()
     if ext is None:
         raise RuntimeError(f"pagedllm attention kernel failed to build: {kernels.build_error()}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     return ext.paged_attention(q, k_cache, v_cache, _int32(block_tables), _int32(context_lens),
-                               _int32(query_start_loc), float(scale), int(max_query_len), int(tile_min_rows))
+                               _int32(query_start_loc), float(scale), int(max_query_len), int(route.tile_min_rows),
+                               int(route.few_tile_min_rows), bool(route.tile_pairs))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +160,7 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 def _pick_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     """``"cpp"`` when the kernel handles these inputs and built; else ``"reference"``, warning once per reason."""
-    reason = _unsupported_reason(q, k_cache)
+    reason = unsupported_reason(q, k_cache)
     if not reason and not is_fast_path_available():
         reason = f"kernel build failed: {(kernels.build_error() or '').splitlines()[0]}"
     if not reason:
@@ -158,7 +171,7 @@ def _pick_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return "reference"
 
 
-def _unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     ok_dtypes = (torch.float32, torch.bfloat16)
     if q.dtype not in ok_dtypes or k_cache.dtype not in (*ok_dtypes, torch.uint8):
         return f"dtypes {q.dtype}/{k_cache.dtype} are not float32/bfloat16 (the cache: or int8 records)"

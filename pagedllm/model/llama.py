@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model import kernels
-from pagedllm.model.attention import paged_attention, write_kv
+from pagedllm.model.attention import STATIC_ROUTE, AttentionRoute, paged_attention, write_kv
 from pagedllm.model.layers import (
     Bf16Weight,
     Int4Weight,
@@ -77,6 +77,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
+        self.attention_route: AttentionRoute = STATIC_ROUTE  # the runner sets the one measured here
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
@@ -189,7 +190,8 @@ class LlamaModel:
         q, k = ops.rotary(positions, q, k, self.ext)
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
         o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                            self.scale, meta.max_query_len, backend=self.attention_backend)
+                            self.scale, meta.max_query_len, backend=self.attention_backend,
+                            route=self.attention_route)
         return self._linear(o.reshape(-1, self.q_size), layer.o_weight, None, i, "o", lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

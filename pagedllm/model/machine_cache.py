@@ -35,6 +35,15 @@ def cpu_identity() -> tuple[str, str]:
     return name, flags
 
 
+def l3_bytes() -> int | None:
+    """The last-level cache's size as sysfs gives it (e.g. "32768K"), or None."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def machine_key() -> dict[str, str]:
     """What any measurement here holds for: CPU model, ISA flags, threads and torch (bench/roofline.py keys its peak
     matmul rate by it too)."""

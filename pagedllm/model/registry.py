@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from pagedllm.model.attention import AttentionRoute
     from pagedllm.model.llama import AttentionMetadata
     from pagedllm.model.loader import ModelConfig, Q4Weight
     from pagedllm.model.lora import LoRABatch, LoRAStack
@@ -47,6 +48,7 @@ class CausalLM(Protocol):
     ext: ModuleType | None  # the C++ kernels; None on the reference path (then top_logits is not called)
     int8: frozenset[str]  # the matmuls that run w8a8 in large steps
     lora: LoRAStack | None  # the resident LoRA adapters (the runner sets it with enable_lora)
+    attention_route: AttentionRoute  # which attention kernel each sequence takes (the runner sets the measured one)
 
     @property
     def num_int4_matmuls(self) -> int: ...

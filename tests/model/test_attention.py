@@ -30,7 +30,7 @@ from pagedllm.model.attention import (
 MIXED = [(17, 1), (32, 1), (1, 1), (48, 16), (16, 16), (100, 37), (5, 2), (64, 3), (230, 130), (129, 1)]
 MANY_DECODES = [(n, 1) for n in (3, 16, 31, 32, 33, 64, 65, 200, 7, 90, 128, 150, 11, 47, 300, 96)]
 
-ROWS, TILE, DEFAULT = 10**9, 1, attention._TILE_MIN_ROWS  # force the row kernel, the tiled one, or pick
+ROWS, TILE, DEFAULT = 10**9, 1, attention.STATIC_ROUTE.tile_min_rows  # force the row kernel, the tiled one, or pick
 
 
 @dataclass
@@ -45,11 +45,12 @@ class Batch:
     keys: list[torch.Tensor]  # per sequence, contiguous [ctx, kv_heads, head_dim], as stored in the cache
     values: list[torch.Tensor]
 
-    def run(self, backend: str = "reference", tile_min_rows: int | None = None) -> torch.Tensor:
+    def run(self, backend: str = "reference", tile_min_rows: int | None = None, pairs: bool = True) -> torch.Tensor:
+        """`tile_min_rows` (and `pairs`, the tiled kernel's bf16 form): the C++ kernel with that route."""
         args = (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.query_start_loc,
                 self.q.shape[-1] ** -0.5, self.max_query_len)
         if tile_min_rows is not None:
-            return attention._cpp_attention(*args, tile_min_rows)
+            return attention.cpp_attention(*args, attention.AttentionRoute(tile_min_rows, tile_min_rows, pairs))
         return paged_attention(*args, backend=backend)
 
 

@@ -172,6 +172,7 @@ struct Problem {
   int64_t H, KVH, G, D, BS, MB;
   float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
   Splits split;
+  bool tile_pairs = true;  // attend_tile may run on vdpbf16ps (bf16_tile); false: its fp32 kernel (measured choice)
   int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token
 };
 
@@ -914,7 +915,7 @@ inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int6
 template <typename kv_t>
 inline bool bf16_tile(const Problem<kv_t>& P) {
 #if defined(__AVX512BF16__)
-  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 16 == 0;
+  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 16 == 0 && P.tile_pairs;
 #else
   (void)P;
   return false;
@@ -1111,12 +1112,22 @@ void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scra
 
 }  // namespace
 
+bool tile_pairs_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // See pagedllm/attention.py:paged_attention for the contract. tile_min_rows: sequences with at least this many
-// query rows (queries x query heads per kv head) use the tiled (prefill) kernel, the others the row kernel.
+// query rows (queries x query heads per kv head) use the tiled (prefill) kernel, the others the row kernel; in a
+// step of fewer than 4 sequences per thread (where the row kernel splits contexts over threads) few_tile_min_rows.
+// tile_pairs: bf16 queries over a bf16 cache may take the tiled kernel's vdpbf16ps form (bf16_tile).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
-                              int64_t tile_min_rows) {
+                              int64_t tile_min_rows, int64_t few_tile_min_rows, bool tile_pairs) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be 3-d, caches 4-d");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
@@ -1147,7 +1158,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(context_lens.numel() == S && query_start_loc.numel() == S + 1, "batch sizes disagree");
-  TORCH_CHECK(tile_min_rows >= 1, "tile_min_rows must be >= 1");
+  TORCH_CHECK(tile_min_rows >= 1 && few_tile_min_rows >= 1, "tile_min_rows must be >= 1");
 
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
@@ -1157,6 +1168,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   std::vector<WorkItem> items;
   std::vector<int32_t> row_items;  // indices of decode-like items, split over kv heads when work is scarce
   size_t rows_max_R = 0, tile_max_M = 0;
+  const int64_t nthreads = at::get_num_threads();
+  int64_t active = 0;
+  for (int64_t s = 0; s < S; ++s) active += qsl[s + 1] > qsl[s];
+  const int64_t min_tile_rows = active < 4 * nthreads ? few_tile_min_rows : tile_min_rows;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = qsl[s + 1] - qsl[s], L = ctx[s];
     TORCH_CHECK(n >= 0 && n <= max_query_len, "sequence ", s, ": bad query count ", n);
@@ -1166,8 +1181,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(nblocks <= MB, "sequence ", s, ": block table too short for context ", L);
     for (int64_t b = 0; b < nblocks; ++b)
       TORCH_CHECK(bt[s * MB + b] >= 0 && bt[s * MB + b] < NB, "sequence ", s, ": block id out of range");
-    if (n * G >= tile_min_rows) {
-      const int64_t qt = std::max<int64_t>(1, kTileRows / G);
+    if (n * G >= min_tile_rows) {
+      const int64_t most = std::max<int64_t>(1, kTileRows / G), tiles = (n + most - 1) / most;
+      const int64_t qt = (n + tiles - 1) / tiles;  // tiles of equal size: no last tile of a few padded rows
       for (int64_t i0 = 0; i0 < n; i0 += qt) {
         const int64_t i1 = std::min(n, i0 + qt);
         tile_max_M = std::max<size_t>(tile_max_M, (i1 - i0) * G);
@@ -1185,7 +1201,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Too few tasks to keep every thread busy (the tail of a run: a few long decodes): split the contexts of the
   // decodes into partitions (flash-decoding) of about equal cost, kSplitPerThread per thread over all items, each
   // at least kMinPartKeys keys and starting on a chunk boundary; merged by the last partition to finish.
-  const int64_t nthreads = at::get_num_threads();
   std::vector<WorkItem> parts;
   std::vector<std::pair<int32_t, int32_t>> groups;  // per split decode: first slot, partitions
   if (nthreads > 1 && !row_items.empty() && int64_t(items.size()) < 4 * nthreads) {
@@ -1275,17 +1290,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (k_cache.scalar_type() == at::kFloat) {
     const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
-                           H, KVH, G, D, BS, MB, scale_log2, split};
+                           H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
     run(P, items, scratch_floats, Mp);
   } else if (int8_cache) {
     const Problem<uint8_t> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                              k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bt, ctx, qsl,
-                             H, KVH, G, D, BS, MB, scale_log2, split};
+                             H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
     run(P, items, scratch_floats, Mp);
   } else {
     const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
-                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split};
+                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
     run(P, items, scratch_floats, Mp);
   }
   return out;

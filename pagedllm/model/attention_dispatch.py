@@ -1,0 +1,265 @@
+"""Which attention kernel each sequence takes, measured where the engine runs (issue 27's measured dispatch, for
+attention). The row (decode) kernel and the tiled (prefill) kernel cross over at a query-row count set by hand on one
+CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the row kernel stayed faster up to ~100
+rows in a busy step, and the tiled kernel's bf16 form (vdpbf16ps) was chosen by ISA alone. So at the first start on a
+machine the engine times both kernels on the model's own attention shape at a few query counts, in a busy step (every
+sequence its own task) and in a step of one sequence, and the tiled kernel's two forms on a prompt where both exist;
+the route is cached beside the kernel table (model/machine_cache.py). PAGEDLLM_ATTENTION=static keeps the hand-set
+route, for experiments."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from pagedllm.model import kernels, machine_cache
+from pagedllm.model.attention import (
+    STATIC_ROUTE,
+    AttentionRoute,
+    cpp_attention,
+    kv_record_len,
+    quantize_kv,
+    unsupported_reason,
+)
+from pagedllm.model.loader import ModelConfig
+
+logger = logging.getLogger("pagedllm")
+
+# Part of a table's key: changed when a kernel's speed changes enough that an old route no longer holds, or the table's
+# fields change.
+ATTENTION_VERSION = "1"
+FORCE_ENV = "PAGEDLLM_ATTENTION"  # measured (default) | static
+QUERY_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # queries per sequence timed; rows = queries x query heads per kv head
+BUSY_SEQS_PER_THREAD = 8  # a busy step: more sequences than the kernel's 4 per thread, so none is split
+BUSY_CONTEXTS = (100, 1000)  # each busy sequence's context, drawn from this range (seeded)
+FEW_CONTEXT = 512  # the step of one sequence: this many tokens of context
+PROMPT = 512  # the tiled kernel's two forms compared on one prompt of this many tokens
+SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one warm-up; the fastest counts
+MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
+TILE_WINS_TO_STOP = 2  # the tiled kernel faster at this many query counts in a row: bigger ones are its too
+TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
+BUDGET_S = 0.3  # measuring stops at the next query count past this; the counts timed decide
+REGIMES = ("busy", "few")
+REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts of "
+                       f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
+               "few": f"one sequence, a context of {FEW_CONTEXT} tokens"}
+
+# One timed call: (what, kernel, rows, run) -> seconds. Tests pass fake timings.
+Timer = Callable[[str, str, int, Callable[[], object]], float]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the choice depends on besides the machine: the model's heads and dtypes, the cache's dtype and blocks."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the queries' (the model's)
+    kv_dtype: torch.dtype  # the cache's: the model's, or uint8 for int8 records
+    block_size: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int) -> AttentionShape:
+        return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype, kv_dtype, block_size)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def key(self) -> dict[str, str]:
+        return {**machine_cache.machine_key(), "attention": ATTENTION_VERSION,
+                "heads": f"{self.heads}/{self.kv_heads}x{self.head_dim}", "block_size": str(self.block_size),
+                "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+
+
+@dataclass
+class AttentionTable:
+    """Seconds per call of each kernel at each timed row count, per regime; the tile forms' on a prompt."""
+
+    rows: dict[str, list[int]]  # per regime: the query rows timed, ascending
+    times: dict[str, dict[str, list[float]]]  # per regime, per kernel ("rows", "tile"): seconds per call
+    tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" / "fp32": where both exist
+    key: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    load: float = 0.0
+    others_cpu: float = 0.0
+
+    def route(self) -> AttentionRoute:
+        pairs = self.tile_forms.get("pairs", 0.0) * (1 + TIE) < self.tile_forms.get("fp32", math.inf)
+        busy, few = (crossover(self.rows[r], self.times[r]) if self.rows.get(r) else None for r in REGIMES)
+        return AttentionRoute(busy or STATIC_ROUTE.tile_min_rows, few or STATIC_ROUTE.few_tile_min_rows,
+                              pairs or "pairs" not in self.tile_forms)
+
+    def summary(self) -> str:
+        route = self.route()
+        forms = ""
+        if self.tile_forms:
+            forms = (f"; bf16 tiles {'on vdpbf16ps' if route.tile_pairs else 'in fp32'} (a {PROMPT}-token prompt "
+                     + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.tile_forms.items()) + ")")
+        return (f"tiled kernel from {route.tile_min_rows} query rows in busy steps, from "
+                f"{route.few_tile_min_rows} in steps of few sequences{forms}")
+
+
+def crossover(rows: list[int], times: dict[str, list[float]]) -> int:
+    """The fewest query rows that take the tiled kernel: from the first timed count from which it is never slower
+    (the boundary at the geometric midpoint below it); past the last timed count where the row kernel still won."""
+    start = len(rows)
+    while start > 0 and times["tile"][start - 1] <= times["rows"][start - 1]:
+        start -= 1
+    if start == 0:
+        return 1
+    if start == len(rows):
+        return rows[-1] + 1
+    return math.isqrt(rows[start - 1] * rows[start]) + 1
+
+
+def time_call(what: str, kernel: str, rows: int, run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+@dataclass
+class _Step:
+    """One timed step's inputs: the sequences' contexts (blocks in random order) in `layers` copies, one pool, so
+    that no call finds its keys in the cache where the one before left them (a step reads them from memory), and
+    their queries."""
+
+    shape: AttentionShape
+    pools: tuple[torch.Tensor, torch.Tensor]  # K and V, [layers * blocks, block_size, kv_heads, row]
+    tables: list[torch.Tensor]  # per layer
+    lens: torch.Tensor
+
+    @classmethod
+    def build(cls, shape: AttentionShape, lens: list[int], gen: torch.Generator) -> _Step:
+        bs = shape.block_size
+        blocks = [math.ceil(n / bs) for n in lens]
+        order = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
+        tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        taken = 0
+        for s, b in enumerate(blocks):
+            tables[s, :b] = order[taken:taken + b]
+            taken += b
+        one = _cache(shape, sum(blocks), gen)
+        layers = max(MIN_LAYERS, math.ceil(cold_bytes() / (2 * one.numel() * one.element_size())))
+        pools = tuple(one.repeat(layers, 1, 1, 1) for _ in range(2))
+        return cls(shape, pools, [tables + i * sum(blocks) for i in range(layers)],
+                   torch.tensor(lens, dtype=torch.int32))
+
+    def runs(self, queries: int, route: AttentionRoute, gen: torch.Generator) -> list[Callable[[], object]]:
+        """One call per layer, `queries` new tokens per sequence, the kernel as `route` says."""
+        s = self.shape
+        q = torch.randn(len(self.lens) * queries, s.heads, s.head_dim, generator=gen).to(s.dtype)
+        starts = torch.arange(0, q.shape[0] + 1, queries, dtype=torch.int32)
+        return [functools.partial(cpp_attention, q, *self.pools, table, self.lens, starts, s.head_dim ** -0.5,
+                                  queries, route) for table in self.tables]
+
+
+def cold_bytes() -> int:
+    """Twice the last-level cache (64-256 MiB; 128 MiB where unknown): a call on the next copy of a step's keys and
+    values finds none of them in the cache."""
+    l3 = machine_cache.l3_bytes()
+    return 128 << 20 if l3 is None else min(max(2 * l3, 64 << 20), 256 << 20)
+
+
+def _cache(shape: AttentionShape, blocks: int, gen: torch.Generator) -> torch.Tensor:
+    values = torch.randn(blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=gen)
+    return quantize_kv(values) if shape.kv_dtype == torch.uint8 else values.to(shape.kv_dtype)
+
+
+def time_kernels(runs: dict[str, list[Callable[[], object]]], what: str, rows: int, timer: Timer) -> dict[str, float]:
+    """Each kernel's fastest of SAMPLES calls after a warm-up, interleaved, each call on the next layer."""
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    calls = 0
+    for _ in range(SAMPLES + 1):
+        for kernel, layers in runs.items():
+            samples[kernel].append(timer(what, kernel, rows, layers[calls % len(layers)]))
+            calls += 1
+    return {k: min(s[1:]) for k, s in samples.items()}
+
+
+def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = BUDGET_S) -> AttentionTable:
+    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then per regime (the step of one sequence
+    first: it costs least) the row and tiled kernels at QUERY_COUNTS, stopping where the tiled kernel has won
+    TILE_WINS_TO_STOP in a row or the budget is spent."""
+    start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
+    table = AttentionTable(rows={r: [] for r in REGIMES}, times={r: {"rows": [], "tile": []} for r in REGIMES})
+    pairs = True
+    if shape.dtype == shape.kv_dtype == torch.bfloat16 and kernels.load().tile_pairs_supported():
+        prompt = _Step.build(shape, [PROMPT], gen)
+        forms = {name: prompt.runs(PROMPT, AttentionRoute(1, 1, name == "pairs"), gen) for name in ("pairs", "fp32")}
+        table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)
+        pairs = table.route().tile_pairs
+    busy = torch.randint(BUSY_CONTEXTS[0], BUSY_CONTEXTS[1] + 1, (BUSY_SEQS_PER_THREAD * torch.get_num_threads(),),
+                         generator=gen)
+    lens = {"few": [FEW_CONTEXT], "busy": busy.tolist()}
+    kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, pairs), "tile": AttentionRoute(1, 1, pairs)}
+    for regime in ("few", "busy"):
+        step, wins = _Step.build(shape, lens[regime], gen), 0
+        for queries in QUERY_COUNTS:
+            if wins >= TILE_WINS_TO_STOP or time.perf_counter() - start > budget_s:
+                break
+            rows = queries * shape.group
+            best = time_kernels({k: step.runs(queries, route, gen) for k, route in kernel_routes.items()}, regime,
+                                rows, timer)
+            table.rows[regime].append(rows)
+            for kernel, seconds in best.items():
+                table.times[regime][kernel].append(seconds)
+            wins = wins + 1 if best["tile"] <= best["rows"] else 0
+    table.seconds = round(time.perf_counter() - start, 3)
+    return table
+
+
+def load(key: dict[str, str]) -> AttentionTable | None:
+    data = machine_cache.load_json(machine_cache.cache_file(key, "attention"), key)
+    try:
+        return None if data is None else AttentionTable(**data)
+    except TypeError:
+        return None
+
+
+def measurable(shape: AttentionShape) -> bool:
+    """Whether the C++ kernel runs this shape here (else the reference attention does, and nothing is chosen)."""
+    row = kv_record_len(shape.head_dim) if shape.kv_dtype == torch.uint8 else shape.head_dim
+    q = torch.empty(0, shape.heads, shape.head_dim, dtype=shape.dtype)
+    cache = torch.empty(1, shape.block_size, shape.kv_heads, row, dtype=shape.kv_dtype)
+    return kernels.load() is not None and not unsupported_reason(q, cache)
+
+
+def tune(shape: AttentionShape, refresh: bool = False,
+         timer: Timer = time_call) -> tuple[AttentionRoute, AttentionTable | None]:
+    """The route for this machine and shape: cached, else measured now (and cached where nothing else ran beside
+    it); STATIC_ROUTE where PAGEDLLM_ATTENTION=static or the C++ kernel does not run the shape. Logs the choice."""
+    forced = os.environ.get(FORCE_ENV, "measured")
+    if forced not in ("measured", "static"):
+        raise ValueError(f"{FORCE_ENV} must be measured or static, got {forced!r}")
+    if forced == "static" or not measurable(shape):
+        logger.info("attention: %s, not measured (%s)", STATIC_ROUTE,
+                    f"{FORCE_ENV}=static" if forced == "static" else "the C++ kernel does not run this shape")
+        return STATIC_ROUTE, None
+    key = shape.key()
+    file = machine_cache.cache_file(key, "attention")
+    table = None if refresh else load(key)
+    how = f"read from {file}"
+    if table is None:
+        sample = machine_cache.cpu_sample()
+        with torch.inference_mode():
+            table = measure(shape, timer)
+        table.key, table.load = key, machine_cache.machine_load()
+        table.others_cpu = round(machine_cache.others_since(sample), 2)
+        if machine_cache.quiet(table.load, table.others_cpu):
+            machine_cache.save_json(file, asdict(table))
+            how = f"measured in {table.seconds:.2f} s, cached at {file}"
+        else:
+            how = (f"measured in {table.seconds:.2f} s while other processes used {table.others_cpu:.2f} CPUs, "
+                   f"not cached: measured again next start")
+    logger.info("attention (%s): %s", how, table.summary())
+    return table.route(), table
