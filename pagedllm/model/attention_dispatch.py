@@ -1,11 +1,11 @@
 """Which attention kernel each sequence takes, measured where the engine runs (issue 27's measured dispatch, for
 attention). The row (decode) kernel and the tiled (prefill) kernel cross over at a query-row count set by hand on one
-CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the row kernel stayed faster up to ~100
-rows in a busy step, and the tiled kernel's bf16 form (vdpbf16ps) was chosen by ISA alone. So at the first start on a
-machine the engine times both kernels on the model's own attention shape at a few query counts, in a busy step (every
-sequence its own task) and in a step of one sequence, and the tiled kernel's two forms on a prompt where both exist;
-the route is cached beside the kernel table (model/machine_cache.py). PAGEDLLM_ATTENTION=static keeps the hand-set
-route, for experiments."""
+CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the row kernel stayed the faster up to
+48 rows in a busy step (the tiled one from 96), and the tiled kernel's bf16 form (vdpbf16ps) was chosen by ISA
+alone. So at the first start on a machine the engine times both kernels on the model's own attention shape at a few
+query counts, in a busy step (every sequence its own task) and in a step of one sequence, and the tiled kernel's two
+forms on a prompt where both exist; the route is cached beside the kernel table (model/machine_cache.py).
+PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
 from __future__ import annotations
 
@@ -190,10 +190,11 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
     """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then per regime (the step of one sequence
     first: it costs least) the row and tiled kernels at QUERY_COUNTS, stopping where the tiled kernel has won
     TILE_WINS_TO_STOP in a row or the budget is spent."""
+    ext = kernels.load()  # built (or loaded) before the clock starts
     start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
     table = AttentionTable(rows={r: [] for r in REGIMES}, times={r: {"rows": [], "tile": []} for r in REGIMES})
     pairs = True
-    if shape.dtype == shape.kv_dtype == torch.bfloat16 and kernels.load().tile_pairs_supported():
+    if shape.dtype == shape.kv_dtype == torch.bfloat16 and ext.tile_pairs_supported():
         prompt = _Step.build(shape, [PROMPT], gen)
         forms = {name: prompt.runs(PROMPT, AttentionRoute(1, 1, name == "pairs"), gen) for name in ("pairs", "fp32")}
         table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)

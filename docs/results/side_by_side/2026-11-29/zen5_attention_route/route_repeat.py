@@ -1,0 +1,20 @@
+"""The attention route measured N times in one process on the default model's shape (9/3 heads x 64, bf16 queries
+over a bf16 cache, blocks of 16), each time's busy and few tables (ms per call: row kernel / tiled kernel).
+usage: python route_repeat.py N"""
+import sys
+
+import torch
+
+from pagedllm.model import kernels
+from pagedllm.model.attention_dispatch import AttentionShape, measure
+
+torch.set_num_threads(2)
+kernels.load()
+shape = AttentionShape(9, 3, 64, torch.bfloat16, torch.bfloat16, 16)
+for _ in range(int(sys.argv[1])):
+    t = measure(shape)
+    print(f"{t.seconds:.3f} s: {t.summary()}")
+    for regime, rows in t.rows.items():
+        cells = [f"{r}: {a * 1e3:.3f}/{b * 1e3:.3f}" for r, a, b in zip(rows, t.times[regime]["rows"],
+                                                                        t.times[regime]["tile"])]
+        print(f"  {regime}: " + ", ".join(cells))
