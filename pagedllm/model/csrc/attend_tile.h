@@ -1,0 +1,199 @@
+// The tiled (prompt) kernel, attend_tile: a tile of query rows held transposed against chunks of keys, in fp32
+// or on vdpbf16ps (tile_bf16.h). Included by paged_attention.cpp inside its anonymous namespace.
+#pragma once
+
+// ST[t][rows] = sum_d K[t][d] * Qt[d][rows] for kTB keys and RW vectors of 16 rows.
+template <int RW>
+inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int64_t D, float* ST) {
+  v16 acc[kTB][RW] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 qv[RW];
+    for (int r = 0; r < RW; ++r) qv[r] = vload(Qt + d * Mp + 16 * r);
+    for (int t = 0; t < kTB; ++t) {
+      const float kv = krow[t][d];
+      for (int r = 0; r < RW; ++r) acc[t][r] += kv * qv[r];
+    }
+  }
+  for (int t = 0; t < kTB; ++t)
+    for (int r = 0; r < RW; ++r) vstore(ST + t * Mp + 16 * r, acc[t][r]);
+}
+
+// Whether attend_tile runs on vdpbf16ps (tile_bf16.h): bf16 queries over a bf16 cache, head_dim a multiple of 16,
+// on AVX512-BF16. Its scores are exact sums of the bf16 products; the probabilities are rounded to bf16 for the
+// values' sums, as flash attention does on GPUs (fp32 queries keep the fp32 kernel, and fp32's exact output).
+template <typename kv_t>
+inline bool bf16_tile(const Problem<kv_t>& P) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 16 == 0 && P.tile_pairs;
+#else
+  (void)P;
+  return false;
+#endif
+}
+
+// VP: the value pairs (pack_value_pairs) of kv head g's V rows of the chunk's keys (bf16_tile(P) only).
+template <typename kv_t>
+inline void tile_value_pairs(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t g, uint32_t* VP) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+    const uint16_t* vrow[kTileChunk];
+    for (int64_t t = 0; t < cn; ++t) vrow[t] = reinterpret_cast<const uint16_t*>(P.v + base[t] + g * P.RL);
+    pack_value_pairs(vrow, cn, P.D, VP);
+    return;
+  }
+#endif
+  (void)P, (void)base, (void)cn, (void)g, (void)VP;
+}
+
+// O[r] = O[r] * alpha[r] + sum_t P[r][t] V[t] for the rows from r0 (of Mp) over the chunk's cn keys, with the
+// probabilities ST[t][r] rounded to bf16 pairs in PP and the value pairs VP (bf16_tile(P) only).
+inline void tile_values_bf16(float* O, int64_t D, const float* alpha, const float* ST, int64_t Mp, int64_t r0,
+                             int64_t cn, uint32_t* PP, const uint32_t* VP) {
+#if defined(__AVX512BF16__)
+  pack_prob_pairs(ST, Mp, r0, cn, PP);
+  pv_rows_bf16(O, D, alpha, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0);
+#else
+  (void)O, (void)D, (void)alpha, (void)ST, (void)Mp, (void)r0, (void)cn, (void)PP, (void)VP;
+#endif
+}
+
+// ST[t][r] for the chunk's keys t < cn_padded (those from cn on score against `zero`) and row vectors rv0 .. RV,
+// by qk_micro_bf16 over the bf16 keys in place (bf16_tile(P) only).
+template <typename kv_t>
+inline void tile_scores_bf16(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t cn_padded, int64_t g,
+                             int64_t rv0, int64_t RV, int64_t Mp, const uint32_t* Q2, const float* zero, float* ST) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+    const uint16_t* krow[kTileChunk];
+    for (int64_t t = 0; t < cn_padded; ++t)
+      krow[t] = t < cn ? reinterpret_cast<const uint16_t*>(P.k + base[t] + g * P.RL)
+                       : reinterpret_cast<const uint16_t*>(zero);
+    const int64_t D = P.D;
+    const float mul = P.scale_log2;
+    for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
+      int64_t rv = rv0;
+      for (; rv + 4 <= RV; rv += 4) qk_micro_bf16<kTB, 4>(krow + t0, Q2 + rv * 16, Mp, D, mul, ST + t0 * Mp + rv * 16);
+      switch (RV - rv) {
+        case 3: qk_micro_bf16<kTB, 3>(krow + t0, Q2 + rv * 16, Mp, D, mul, ST + t0 * Mp + rv * 16); break;
+        case 2: qk_micro_bf16<kTB, 2>(krow + t0, Q2 + rv * 16, Mp, D, mul, ST + t0 * Mp + rv * 16); break;
+        case 1: qk_micro_bf16<kTB, 1>(krow + t0, Q2 + rv * 16, Mp, D, mul, ST + t0 * Mp + rv * 16); break;
+        default: break;
+      }
+    }
+    return;
+  }
+#endif
+  (void)P, (void)base, (void)cn, (void)cn_padded, (void)g, (void)rv0, (void)RV, (void)Mp, (void)Q2, (void)zero;
+  (void)ST;
+}
+
+// Prompt chunks: a tile of queries [q_begin, q_end) x the G query heads of one kv head.
+template <typename kv_t>
+void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
+  const int64_t D = P.D, G = P.G, s = w.seq, g = w.kv_begin;
+  const int64_t L = P.context_lens[s], n = P.query_start_loc[s + 1] - P.query_start_loc[s];
+  const int64_t tok0 = P.query_start_loc[s] + w.q_begin;
+  const int64_t R = w.q_end - w.q_begin, M = R * G, Mp = (M + 15) / 16 * 16, RV = Mp / 16;
+  const int64_t first_pos = L - n + w.q_begin, last_pos = L - n + w.q_end - 1;
+
+  size_t off = 0;
+  float* Qt = sc.take(D * Mp, off);
+  float* O = sc.take(Mp * D, off);
+  float* m = sc.take(Mp, off);
+  float* l = sc.take(Mp, off);
+  float* alpha = sc.take(Mp, off);
+  int32_t* pos = sc.pos.data();
+  float* ST = sc.take(kTileChunk * Mp, off);
+  float* kbuf = sc.take(kTileChunk * D, off);
+  float* vbuf = sc.take(kTileChunk * D, off);
+  float* zero = sc.take(D, off);
+  uint32_t* PP = reinterpret_cast<uint32_t*>(sc.take(kTileChunk / 2 * Mp, off));  // bf16 path: probability pairs
+  uint32_t* VP = reinterpret_cast<uint32_t*>(kbuf);  // bf16 path: value pairs
+  int64_t base[kTileChunk];
+  const float** krow = sc.krow.data();
+  const float** vrow = sc.vrow.data();
+
+  // row r = ii * G + j  <->  query tok0 + ii, head g * G + j. Padding rows: zero queries, never masked.
+  const bool pairs = bf16_tile(P);
+  if (pairs) {
+#if defined(__AVX512BF16__)
+    pack_query_pairs(static_cast<const uint16_t*>(P.q), P.q_stride0, P.q_stride1, tok0, g * G, R, G, D, Mp,
+                     reinterpret_cast<uint32_t*>(Qt));
+#endif
+  } else {
+    std::fill(Qt, Qt + D * Mp, 0.0f);
+    for (int64_t ii = 0; ii < R; ++ii)
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t d = 0; d < D; ++d) Qt[d * Mp + ii * G + j] = q_at(P, tok0 + ii, g * G + j, d) * P.scale_log2;
+  }
+  for (int64_t r = 0; r < Mp; ++r)
+    pos[r] = r < M ? static_cast<int32_t>(first_pos + r / G) : std::numeric_limits<int32_t>::max();
+  std::fill(O, O + Mp * D, 0.0f);
+  std::fill(m, m + Mp, kNegInf);
+  std::fill(l, l + Mp, 0.0f);
+  std::fill(zero, zero + D, 0.0f);
+
+  for (int64_t c0 = 0; c0 <= last_pos; c0 += kTileChunk) {
+    const int64_t cn = std::min(kTileChunk, last_pos + 1 - c0);
+    chunk_offsets(P, s, c0, cn, base);
+    const int64_t cn_padded = (cn + kTB - 1) / kTB * kTB;
+    // Row vectors whose rows all sit before this chunk take no part in it.
+    const int64_t rv0 = std::max<int64_t>(0, (c0 - first_pos) * G) / 16;
+    const bool masked = c0 + cn - 1 > first_pos;
+    if (pairs) {
+      tile_scores_bf16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), zero, ST);
+      tile_value_pairs(P, base, cn, g, VP);
+    } else {
+      gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
+      for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
+      for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
+        int64_t rv = rv0;
+        for (; rv + 4 <= RV; rv += 4) qk_micro<4>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);
+        switch (RV - rv) {
+          case 3: qk_micro<3>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+          case 2: qk_micro<2>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+          case 1: qk_micro<1>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
+          default: break;
+        }
+      }
+    }
+
+    for (int64_t rv = rv0; rv < RV; ++rv) {
+      const int64_t r0 = rv * 16;
+      const vi16 pv = [&] { vi16 x; std::memcpy(&x, pos + r0, sizeof(x)); return x; }();
+      const v16 m_old = vload(m + r0);
+      v16 mx = m_old;
+      if (masked) {
+        for (int64_t t = 0; t < cn; ++t) {
+          const v16 sv = viset(static_cast<int32_t>(c0 + t)) <= pv ? vload(ST + t * Mp + r0) : vset(kNegInf);
+          vstore(ST + t * Mp + r0, sv);
+          mx = vmax(mx, sv);
+        }
+      } else {
+        for (int64_t t = 0; t < cn; ++t) mx = vmax(mx, vload(ST + t * Mp + r0));
+      }
+      v16 sum = {};
+      for (int64_t t = 0; t < cn; ++t) {
+        v16 e = vexp2(vload(ST + t * Mp + r0) - mx);
+        if (masked) e = viset(static_cast<int32_t>(c0 + t)) <= pv ? e : v16{};
+        vstore(ST + t * Mp + r0, e);
+        sum += e;
+      }
+      const v16 a = vexp2(m_old - mx);
+      vstore(alpha + r0, a);
+      vstore(l + r0, vload(l + r0) * a + sum);
+      vstore(m + r0, mx);
+    }
+
+    const int64_t r0 = rv0 * 16;
+    if (pairs)
+      tile_values_bf16(O + r0 * D, D, alpha + r0, ST, Mp, r0, cn, PP, VP);
+    else
+      pv_rows(O + r0 * D, D, alpha + r0, ST + r0, Mp, 1, vrow, cn, Mp - r0);
+  }
+  for (int64_t ii = 0; ii < R; ++ii)
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t r = ii * G + j;
+      store_out(P, tok0 + ii, g * G + j, O + r * D, 1.0f / l[r]);
+    }
+}
