@@ -185,7 +185,9 @@ def test_int8_records_hold_each_value_within_half_a_step(dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpp_int8_writer_stores_the_same_bytes_as_the_torch_one(cpp: None, dtype: torch.dtype) -> None:
-    qkv = torch.randn(9, 5 * 64, dtype=dtype) * 3  # k and v as strided views of one projection, as in the model
+    # k and v as strided views of one projection, as in the model; groups of very different ranges, a constant one
+    qkv = (torch.randn(9, 5 * 64) * torch.logspace(-3, 2, 5 * 64)).to(dtype)
+    qkv[4, 64 + 16:64 + 32] = 0.5
     k, v = qkv[:, 64:192].view(9, 2, 64), qkv[:, 192:].view(9, 2, 64)
     k_cache, v_cache = (torch.zeros(4, 4, 2, kv_record_len(64), dtype=torch.uint8) for _ in range(2))
     slots = torch.tensor([15, 0, 3, 4, 9, 10, 11, 1, 2])

@@ -20,26 +20,50 @@ namespace {
 
 #include "attention_common.h"
 
+#if defined(__AVX512F__)
+static_assert(kKvGroup == 16, "quantize_row takes a group in one 16-float vector");
+
+// 16 values as fp32 (a bf16 is the top half of an fp32).
+inline __m512 load_group(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load_group(const at::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // One kv-head row of D values to an int8 record: per group, min and (max - min) / 255 rounded to fp16 first, so
-// that the values are quantised against exactly the parameters stored.
+// that the values are quantised against exactly the parameters stored. On AVX-512 a group is one vector: its
+// min, max and 16 codes take a few instructions instead of a scalar loop each (the same operations, the same bytes).
 template <typename T>
 void quantize_row(const T* x, uint8_t* rec, int64_t D) {
   uint8_t* params = rec + D;
   for (int64_t g = 0; g < D; g += kKvGroup) {
+#if defined(__AVX512F__)
+    const __m512 v = load_group(x + g);
+    const float lo = _mm512_reduce_min_ps(v), hi = _mm512_reduce_max_ps(v);
+#else
     float lo = static_cast<float>(x[g]), hi = lo;
     for (int64_t i = g + 1; i < g + kKvGroup; ++i) {
       const float v = static_cast<float>(x[i]);
       lo = std::min(lo, v);
       hi = std::max(hi, v);
     }
+#endif
     const at::Half sm[2] = {at::Half((hi - lo) / 255.0f), at::Half(lo)};
     std::memcpy(params + g / kKvGroup * sizeof(sm), sm, sizeof(sm));
     const float scale = static_cast<float>(sm[0]), mn = static_cast<float>(sm[1]);
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+#if defined(__AVX512F__)
+    __m512 q = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(mn)), _mm512_set1_ps(inv));
+    q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), _mm512_set1_ps(255.0f));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + g), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+#else
     for (int64_t i = g; i < g + kKvGroup; ++i) {
       const float qv = std::nearbyint((static_cast<float>(x[i]) - mn) * inv);
       rec[i] = static_cast<uint8_t>(std::clamp(qv, 0.0f, 255.0f));
     }
+#endif
   }
 }
 
