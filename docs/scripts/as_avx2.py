@@ -1,7 +1,7 @@
 """Run another docs script as a CPU without AVX-512 would: pagedllm's C++ kernels built for haswell (AVX2, FMA, F16C:
 their AVX2 or generic paths), oneDNN and ATen capped at AVX2, and a kernel table of its own (keyed as a CPU without the
-avx512 flags, in its own cache folder unless PAGEDLLM_CACHE_DIR names one). An approximation of an AVX2-only
-machine (the caches and memory are this one's):
+avx512 flags, in its own cache folder unless PAGEDLLM_CACHE_DIR names one), `--dtype auto` choosing fp32 as there. An
+approximation of an AVX2-only machine (the caches and memory are this one's):
 
     python docs/scripts/as_avx2.py docs/scripts/kv_cache_dtype_ab.py fp32-cache
     python docs/scripts/as_avx2.py docs/scripts/kv_cache_dtype_ab.py default
@@ -17,8 +17,11 @@ import tempfile
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read by oneDNN and ATen when torch loads: before any import of torch
 os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 
+import pagedllm.config as config  # noqa: E402
 import pagedllm.model.kernels as kernels  # noqa: E402
 import pagedllm.model.machine_cache as machine_cache  # noqa: E402
+
+config.cpu_has_fast_bf16 = lambda: False  # `--dtype auto` as such a CPU: fp32 arithmetic (over a bf16 KV cache)
 
 kernels._CFLAGS = ["-O3", "-march=haswell", "-fopenmp"]  # part of the build's name: a build of its own
 os.environ.setdefault(machine_cache.CACHE_ENV, os.path.join(tempfile.gettempdir(), "pagedllm-as-avx2"))

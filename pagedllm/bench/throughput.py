@@ -121,7 +121,7 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
           f"{inp['median']} / p90 {inp['p90']} tokens, outputs mean {out['mean']} / median {out['median']} / p90 "
           f"{out['p90']}")
     bound = result.get("machine_bound")
-    if bound:
+    if bound and bound["output_tokens_per_s"] > 0:  # 0: a peak too low to count (bf16 emulated where it is slow)
         print(f"Machine-limit estimate ({bound['peak_gflops']:.0f} GFLOP/s matmul, {bound['mem_gbps']:.0f} GB/s copy; "
               f"{bound['source']}): "
               f"{bound['output_tokens_per_s']} output tokens/s (compute {bound['compute_s']} s + KV reads "

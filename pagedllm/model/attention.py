@@ -104,7 +104,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _reference_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if backend == "cpp":
         return cpp_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                              max_query_len, route)
+                             max_query_len, route)
     raise ValueError(f"unknown attention backend {backend!r}; expected 'auto', 'reference' or 'cpp'")
 
 
@@ -141,8 +141,8 @@ def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                   route: AttentionRoute) -> torch.Tensor:
+                  context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                  route: AttentionRoute) -> torch.Tensor:
     """The C++ kernel; ``route`` picks the kernel per sequence (tests and the dispatch force either one)."""
     ext = kernels.load()
     if ext is None:

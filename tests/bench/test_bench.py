@@ -76,6 +76,22 @@ def test_throughput_runs(tiny_model_dir, tmp_path, capsys):
     assert f"Machine-limit estimate (100 GFLOP/s matmul, 10 GB/s copy; {bound['source']})" in capsys.readouterr().out
 
 
+def test_a_machine_bound_too_slow_to_count_is_not_a_ratio(capsys):
+    """A matmul peak measured near zero (bf16 emulated where oneDNN cannot run it fast) rounds the bound to 0 tokens/s:
+    the report leaves the estimate out instead of dividing by it."""
+    import argparse
+
+    from pagedllm.bench.throughput import report_throughput
+
+    lens = {"mean": 8, "median": 8, "p90": 8}
+    result = {"workload": {"input_len": lens, "output_len": lens}, "num_prompts": 1, "requests_per_s": 1.0,
+              "output_tokens_per_s": 8.0, "total_tokens_per_s": 16.0, "input_tokens": 8, "output_tokens": 8,
+              "elapsed_s": 1.0, "machine_bound": {"output_tokens_per_s": 0.0}}
+    assert report_throughput(argparse.Namespace(dataset="random", output_json=None), result) == 0
+    out = capsys.readouterr().out
+    assert "Throughput: 1.00 requests/s, 8.0 output tokens/s" in out and "Machine-limit" not in out
+
+
 def run_throughput(tiny_model_dir, tmp_path, *flags: str) -> dict:
     path = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--model", tiny_model_dir, "--dtype", "float32", "--num-blocks", "512",

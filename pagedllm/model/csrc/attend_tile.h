@@ -18,6 +18,106 @@ inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int6
     for (int r = 0; r < RW; ++r) vstore(ST + t * Mp + 16 * r, acc[t][r]);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_TILE_AVX2 1
+// qk_micro for one vector of 16 rows in 8-float AVX2 vectors, for CPUs without AVX-512: there GCC kept qk_micro's
+// 16-float accumulators (two registers each, kTB x RW of them) on the stack, and a tile of 24-48 rows ran 5-9x
+// slower than the row kernel (docs/performance.md). Here kTB x 2 accumulators stay in registers, the same
+// products and sums per lane.
+inline void qk_micro_avx2(const float* const* krow, const float* Qt, int64_t Mp, int64_t D, float* ST) {
+  __m256 acc[kTB][2];
+  for (int t = 0; t < kTB; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_loadu_ps(Qt + d * Mp), q1 = _mm256_loadu_ps(Qt + d * Mp + 8);
+    for (int t = 0; t < kTB; ++t) {
+      const __m256 kv = _mm256_broadcast_ss(krow[t] + d);
+      acc[t][0] = _mm256_fmadd_ps(kv, q0, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(kv, q1, acc[t][1]);
+    }
+  }
+  for (int t = 0; t < kTB; ++t) {
+    _mm256_storeu_ps(ST + t * Mp, acc[t][0]);
+    _mm256_storeu_ps(ST + t * Mp + 8, acc[t][1]);
+  }
+}
+#endif
+
+// The online softmax of one chunk's scores ST[t][r0 .. r0 + 16) (keys c0 .. c0 + cn): row r sees the keys up to
+// pos[r] (`masked`: some do not see them all); the others become -inf scores and zero probabilities. The running max
+// m, sum l and the factor alpha for the row's earlier sums are updated in place.
+#if defined(PAGEDLLM_TILE_AVX2)
+// 2^x in 8 lanes: vexp2's steps.
+inline __m256 vexp2_8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-125.0f), magic = _mm256_set1_ps(12582912.0f);
+  x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
+  const __m256 p = exp2_poly(_mm256_sub_ps(x, n));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// In two 8-float halves: the 16-float version's selects and maxima ran element by element through the stack here.
+inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t c0, const int32_t* pos, bool masked,
+                         float* m, float* l, float* alpha) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
+  for (int64_t r = r0; r < r0 + 16; r += 8) {
+    const __m256i pv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + r));
+    const __m256 m_old = _mm256_loadu_ps(m + r);
+    // lanes whose row does not see key c0 + t
+    auto hidden = [&](int64_t t) {
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(c0 + t)), pv));
+    };
+    __m256 mx = m_old;
+    for (int64_t t = 0; t < cn; ++t) {
+      __m256 sv = _mm256_loadu_ps(ST + t * Mp + r);
+      if (masked) {
+        sv = _mm256_blendv_ps(sv, ninf, hidden(t));
+        _mm256_storeu_ps(ST + t * Mp + r, sv);
+      }
+      mx = _mm256_max_ps(mx, sv);
+    }
+    __m256 sum = zero;
+    for (int64_t t = 0; t < cn; ++t) {
+      __m256 e = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(ST + t * Mp + r), mx));
+      if (masked) e = _mm256_blendv_ps(e, zero, hidden(t));
+      _mm256_storeu_ps(ST + t * Mp + r, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 a = vexp2_8(_mm256_sub_ps(m_old, mx));
+    _mm256_storeu_ps(alpha + r, a);
+    _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), a, sum));
+    _mm256_storeu_ps(m + r, mx);
+  }
+}
+#else
+inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t c0, const int32_t* pos, bool masked,
+                         float* m, float* l, float* alpha) {
+  const vi16 pv = [&] { vi16 x; std::memcpy(&x, pos + r0, sizeof(x)); return x; }();
+  const v16 m_old = vload(m + r0);
+  v16 mx = m_old;
+  if (masked) {
+    for (int64_t t = 0; t < cn; ++t) {
+      const v16 sv = viset(static_cast<int32_t>(c0 + t)) <= pv ? vload(ST + t * Mp + r0) : vset(kNegInf);
+      vstore(ST + t * Mp + r0, sv);
+      mx = vmax(mx, sv);
+    }
+  } else {
+    for (int64_t t = 0; t < cn; ++t) mx = vmax(mx, vload(ST + t * Mp + r0));
+  }
+  v16 sum = {};
+  for (int64_t t = 0; t < cn; ++t) {
+    v16 e = vexp2(vload(ST + t * Mp + r0) - mx);
+    if (masked) e = viset(static_cast<int32_t>(c0 + t)) <= pv ? e : v16{};
+    vstore(ST + t * Mp + r0, e);
+    sum += e;
+  }
+  const v16 a = vexp2(m_old - mx);
+  vstore(alpha + r0, a);
+  vstore(l + r0, vload(l + r0) * a + sum);
+  vstore(m + r0, mx);
+}
+#endif
+
 // Whether attend_tile runs on vdpbf16ps (tile_bf16.h): bf16 queries over a bf16 cache, head_dim a multiple of 16,
 // on AVX512-BF16. Its scores are exact sums of the bf16 products; the probabilities are rounded to bf16 for the
 // values' sums, as flash attention does on GPUs (fp32 queries keep the fp32 kernel, and fp32's exact output).
@@ -148,6 +248,9 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
       for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
         int64_t rv = rv0;
+#if defined(PAGEDLLM_TILE_AVX2)
+        for (; rv < RV; ++rv) qk_micro_avx2(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);
+#endif
         for (; rv + 4 <= RV; rv += 4) qk_micro<4>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);
         switch (RV - rv) {
           case 3: qk_micro<3>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16); break;
@@ -158,32 +261,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       }
     }
 
-    for (int64_t rv = rv0; rv < RV; ++rv) {
-      const int64_t r0 = rv * 16;
-      const vi16 pv = [&] { vi16 x; std::memcpy(&x, pos + r0, sizeof(x)); return x; }();
-      const v16 m_old = vload(m + r0);
-      v16 mx = m_old;
-      if (masked) {
-        for (int64_t t = 0; t < cn; ++t) {
-          const v16 sv = viset(static_cast<int32_t>(c0 + t)) <= pv ? vload(ST + t * Mp + r0) : vset(kNegInf);
-          vstore(ST + t * Mp + r0, sv);
-          mx = vmax(mx, sv);
-        }
-      } else {
-        for (int64_t t = 0; t < cn; ++t) mx = vmax(mx, vload(ST + t * Mp + r0));
-      }
-      v16 sum = {};
-      for (int64_t t = 0; t < cn; ++t) {
-        v16 e = vexp2(vload(ST + t * Mp + r0) - mx);
-        if (masked) e = viset(static_cast<int32_t>(c0 + t)) <= pv ? e : v16{};
-        vstore(ST + t * Mp + r0, e);
-        sum += e;
-      }
-      const v16 a = vexp2(m_old - mx);
-      vstore(alpha + r0, a);
-      vstore(l + r0, vload(l + r0) * a + sum);
-      vstore(m + r0, mx);
-    }
+    for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha);
 
     const int64_t r0 = rv0 * 16;
     if (pairs)
