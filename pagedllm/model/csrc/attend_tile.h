@@ -18,8 +18,7 @@ inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int6
     for (int r = 0; r < RW; ++r) vstore(ST + t * Mp + 16 * r, acc[t][r]);
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define PAGEDLLM_TILE_AVX2 1
+#if defined(PAGEDLLM_ATTENTION_AVX2)
 // qk_micro for one vector of 16 rows in 8-float AVX2 vectors, for CPUs without AVX-512: there GCC kept qk_micro's
 // 16-float accumulators (two registers each, kTB x RW of them) on the stack, and a tile of 24-48 rows ran 5-9x
 // slower than the row kernel (docs/performance.md). Here kTB x 2 accumulators stay in registers, the same
@@ -45,17 +44,7 @@ inline void qk_micro_avx2(const float* const* krow, const float* Qt, int64_t Mp,
 // The online softmax of one chunk's scores ST[t][r0 .. r0 + 16) (keys c0 .. c0 + cn): row r sees the keys up to
 // pos[r] (`masked`: some do not see them all); the others become -inf scores and zero probabilities. The running max
 // m, sum l and the factor alpha for the row's earlier sums are updated in place.
-#if defined(PAGEDLLM_TILE_AVX2)
-// 2^x in 8 lanes: vexp2's steps.
-inline __m256 vexp2_8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-125.0f), magic = _mm256_set1_ps(12582912.0f);
-  x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
-  const __m256 p = exp2_poly(_mm256_sub_ps(x, n));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
+#if defined(PAGEDLLM_ATTENTION_AVX2)
 // In two 8-float halves: the 16-float version's selects and maxima ran element by element through the stack here.
 inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t c0, const int32_t* pos, bool masked,
                          float* m, float* l, float* alpha) {
@@ -248,7 +237,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
       for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
         int64_t rv = rv0;
-#if defined(PAGEDLLM_TILE_AVX2)
+#if defined(PAGEDLLM_ATTENTION_AVX2)
         for (; rv < RV; ++rv) qk_micro_avx2(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);
 #endif
         for (; rv + 4 <= RV; rv += 4) qk_micro<4>(krow + t0, Qt + rv * 16, Mp, D, ST + t0 * Mp + rv * 16);

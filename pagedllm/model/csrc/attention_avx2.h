@@ -1,12 +1,41 @@
-// paged_attention.cpp's two inner loops of the generic decode path in 8-float AVX2 vectors, for CPUs without
+// paged_attention.cpp's inner loops of the generic decode path in 8-float AVX2 vectors, for CPUs without
 // AVX-512 (included there inside its anonymous namespace). GCC's 16-float vector extensions, without AVX-512,
 // kept the running sums on the stack and moved them through general registers at every step: the decode read the
 // cache at 1.6 GB/s, 9x slower than the same CPU's memory allows. The arithmetic is the generic one's: the same
 // products, the same order of sums per lane, the same final reduction.
 #pragma once
 
-// q . k over D values (D % 16 == 0): two 8-lane chains (the generic code's lanes 0-7 and 8-15), then the sums of
-// lanes i and i + 8, i + 4, i + 2, i + 1, as hsum reduces.
+#define PAGEDLLM_ATTENTION_AVX2 1
+
+// The sum of 16 lanes held as two 8-lane halves (lanes 0-7, 8-15), reduced as hsum reduces: lanes i and i + 8,
+// then i + 4, i + 2, i + 1.
+inline float hsum_halves(__m256 lo, __m256 hi) {
+  const __m256 s = _mm256_add_ps(lo, hi);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// The largest of 16 lanes held as two halves.
+inline float hmax_halves(__m256 lo, __m256 hi) {
+  const __m256 s = _mm256_max_ps(lo, hi);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// 2^x in 8 lanes: vexp2's steps (x < -125 taken as -125).
+inline __m256 vexp2_8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-125.0f), magic = _mm256_set1_ps(12582912.0f);
+  x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
+  const __m256 p = exp2_poly(_mm256_sub_ps(x, n));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// q . k over D values (D % 16 == 0): two 8-lane chains (the generic code's lanes 0-7 and 8-15), then hsum's
+// reduction.
 inline float dot_rows(const float* q, const float* k, int64_t D) {
   __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
   __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k + 8));
@@ -14,10 +43,7 @@ inline float dot_rows(const float* q, const float* k, int64_t D) {
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
   }
-  const __m256 s = _mm256_add_ps(a0, a1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  return hsum_halves(a0, a1);
 }
 
 // 8 fp32 values of a V row, from fp32 or (widened in registers) bf16.
@@ -65,5 +91,68 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
         default: pv_micro8<1>(o + d0, D, a, p, ts, rs, vrow, d0, cn); break;
       }
     }
+  }
+}
+
+// softmax_chunk (rows_steps.h) over 16-lane halves: the generic version's selects, maxima and sums ran element by
+// element through the stack here (a third of decode attention's time). The same operations per lane, the same
+// order of sums.
+inline void softmax_chunk(float* S, float* m, float* l, float* alpha, float* sums, int64_t NR, int64_t R, int64_t G,
+                          int64_t cn, int64_t c0, int64_t first_pos) {
+  constexpr int64_t C = kRowsChunk;
+  static_assert(C % 16 == 0, "a chunk is whole 16-lane vectors");
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  for (int64_t row = 0; row < NR; ++row) {
+    const int64_t ii = (row / G) % R;
+    const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
+    float* sr = S + row * C;
+    alpha[row] = m[row];  // the old max, for the pass below
+    sums[row] = 0.0f;
+    if (valid <= 0) {
+      std::fill(sr, sr + C, 0.0f);
+      continue;
+    }
+    const __m256i lim = _mm256_set1_epi32(static_cast<int32_t>(valid));
+    auto seen = [&](int64_t t) {  // lanes t .. t + 7 that the row sees
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_add_epi32(iota, _mm256_set1_epi32(int32_t(t)))));
+    };
+    __m256 mx_lo = _mm256_set1_ps(m[row]), mx_hi = mx_lo;
+    for (int64_t t = 0; t < C; t += 16) {
+      __m256 a = _mm256_loadu_ps(sr + t), b = _mm256_loadu_ps(sr + t + 8);
+      if (valid < C) a = _mm256_blendv_ps(ninf, a, seen(t)), b = _mm256_blendv_ps(ninf, b, seen(t + 8));
+      mx_lo = _mm256_max_ps(mx_lo, a);
+      mx_hi = _mm256_max_ps(mx_hi, b);
+    }
+    const float mxs = hmax_halves(mx_lo, mx_hi);
+    const __m256 mx = _mm256_set1_ps(mxs);
+    __m256 s_lo = _mm256_setzero_ps(), s_hi = s_lo;
+    for (int64_t t = 0; t < C; t += 16) {
+      __m256 a = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), mx));
+      __m256 b = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t + 8), mx));
+      if (valid < C) a = _mm256_and_ps(a, seen(t)), b = _mm256_and_ps(b, seen(t + 8));
+      _mm256_storeu_ps(sr + t, a);
+      _mm256_storeu_ps(sr + t + 8, b);
+      s_lo = _mm256_add_ps(s_lo, a);
+      s_hi = _mm256_add_ps(s_hi, b);
+    }
+    m[row] = mxs;
+    sums[row] = hsum_halves(s_lo, s_hi);
+  }
+  // alpha = 2^(old max - new max): 0 for a row that saw no key before (old max -inf), 1 for one with none now.
+  for (int64_t r0 = 0; r0 < NR; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, NR - r0);
+    float mo[8] = {}, mn[8] = {}, lo[8] = {}, su[8] = {}, a[8], ln[8];
+    std::memcpy(mo, alpha + r0, nr * sizeof(float));
+    std::memcpy(mn, m + r0, nr * sizeof(float));
+    std::memcpy(lo, l + r0, nr * sizeof(float));
+    std::memcpy(su, sums + r0, nr * sizeof(float));
+    const __m256 vmo = _mm256_loadu_ps(mo);
+    const __m256 e = vexp2_8(_mm256_sub_ps(vmo, _mm256_loadu_ps(mn)));
+    const __m256 va = _mm256_andnot_ps(_mm256_cmp_ps(vmo, ninf, _CMP_EQ_OQ), e);
+    _mm256_storeu_ps(a, va);
+    _mm256_storeu_ps(ln, _mm256_fmadd_ps(_mm256_loadu_ps(lo), va, _mm256_loadu_ps(su)));
+    std::memcpy(alpha + r0, a, nr * sizeof(float));
+    std::memcpy(l + r0, ln, nr * sizeof(float));
   }
 }

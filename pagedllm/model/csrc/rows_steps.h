@@ -6,7 +6,7 @@
 #include "rows_int8.h"  // scores_8_int8 and pv_int8_rows, on AVX-512
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#include "attention_avx2.h"  // dot_rows and pv_rows in 8-float vectors
+#include "attention_avx2.h"  // dot_rows, pv_rows and softmax_chunk in 8-float vectors
 #else
 // q . k over D values (D % 16 == 0).
 inline float dot_rows(const float* q, const float* k, int64_t D) {
@@ -103,6 +103,7 @@ void chunk_scores_f32(const Problem<kv_t>& P, const WorkItem& w, const float* q,
   }
 }
 
+#if !defined(PAGEDLLM_ATTENTION_AVX2)  // attention_avx2.h has its own
 // Online softmax over one chunk's scores S[row][0 .. kRowsChunk) of the rows row = (gi * R + ii) * G + j: query ii
 // (position first_pos + ii) sees the keys c0 .. first_pos + ii of the chunk's cn; the others, and padding, become
 // exact zeros. alpha[row]: the factor that brings the row's earlier sums to the new running max m[row], computed
@@ -160,6 +161,7 @@ inline void softmax_chunk(float* S, float* m, float* l, float* alpha, float* sum
     std::memcpy(l + r0, &ln, nr * sizeof(float));
   }
 }
+#endif
 
 // An item's rows (row = (gi * R + ii) * G + j, unnormalised sums acc, running max m in log2 units, sum l) to the
 // output. A partition of a split decode leaves them in its slot instead, and the last partition of its group to
