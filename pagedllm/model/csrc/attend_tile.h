@@ -20,7 +20,7 @@ inline void qk_micro(const float* const* krow, const float* Qt, int64_t Mp, int6
 
 #if defined(PAGEDLLM_ATTENTION_AVX2)
 // qk_micro for one vector of 16 rows in 8-float AVX2 vectors, for CPUs without AVX-512: there GCC kept qk_micro's
-// 16-float accumulators (two registers each, kTB x RW of them) on the stack, and a tile of 24-48 rows ran 5-9x
+// 16-float accumulators (two registers each, kTB x RW of them) on the stack, and a tile of 24-48 rows ran 4-9x
 // slower than the row kernel (docs/performance.md). Here kTB x 2 accumulators stay in registers, the same
 // products and sums per lane.
 inline void qk_micro_avx2(const float* const* krow, const float* Qt, int64_t Mp, int64_t D, float* ST) {
