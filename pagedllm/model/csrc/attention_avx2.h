@@ -94,65 +94,48 @@ inline void pv_rows(float* O, int64_t D, const float* alpha, const float* P, int
   }
 }
 
-// softmax_chunk (rows_steps.h) over 16-lane halves: the generic version's selects, maxima and sums ran element by
-// element through the stack here (a third of decode attention's time). The same operations per lane, the same
-// order of sums.
-inline void softmax_chunk(float* S, float* m, float* l, float* alpha, float* sums, int64_t NR, int64_t R, int64_t G,
-                          int64_t cn, int64_t c0, int64_t first_pos) {
+// softmax_chunk's two vector steps (rows_steps.h) over 16-lane halves: the generic versions' selects, maxima and
+// sums ran element by element through the stack here (decode attention 26% slower, docs/performance.md). The same
+// operations per lane, the same order of sums.
+// One row of a chunk: its scores sr[0 .. kRowsChunk) to probabilities against the new running max (returned), the
+// first `valid` of them seen (the rest exact zeros); *sum: their sum.
+inline float row_softmax(float* sr, int64_t valid, float m_old, float* sum) {
   constexpr int64_t C = kRowsChunk;
   static_assert(C % 16 == 0, "a chunk is whole 16-lane vectors");
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lim = _mm256_set1_epi32(static_cast<int32_t>(valid));
+  auto seen = [&](int64_t t) {  // lanes t .. t + 7 that the row sees
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_add_epi32(iota, _mm256_set1_epi32(int32_t(t)))));
+  };
   const __m256 ninf = _mm256_set1_ps(kNegInf);
-  for (int64_t row = 0; row < NR; ++row) {
-    const int64_t ii = (row / G) % R;
-    const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
-    float* sr = S + row * C;
-    alpha[row] = m[row];  // the old max, for the pass below
-    sums[row] = 0.0f;
-    if (valid <= 0) {
-      std::fill(sr, sr + C, 0.0f);
-      continue;
-    }
-    const __m256i lim = _mm256_set1_epi32(static_cast<int32_t>(valid));
-    auto seen = [&](int64_t t) {  // lanes t .. t + 7 that the row sees
-      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_add_epi32(iota, _mm256_set1_epi32(int32_t(t)))));
-    };
-    __m256 mx_lo = _mm256_set1_ps(m[row]), mx_hi = mx_lo;
-    for (int64_t t = 0; t < C; t += 16) {
-      __m256 a = _mm256_loadu_ps(sr + t), b = _mm256_loadu_ps(sr + t + 8);
-      if (valid < C) a = _mm256_blendv_ps(ninf, a, seen(t)), b = _mm256_blendv_ps(ninf, b, seen(t + 8));
-      mx_lo = _mm256_max_ps(mx_lo, a);
-      mx_hi = _mm256_max_ps(mx_hi, b);
-    }
-    const float mxs = hmax_halves(mx_lo, mx_hi);
-    const __m256 mx = _mm256_set1_ps(mxs);
-    __m256 s_lo = _mm256_setzero_ps(), s_hi = s_lo;
-    for (int64_t t = 0; t < C; t += 16) {
-      __m256 a = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), mx));
-      __m256 b = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t + 8), mx));
-      if (valid < C) a = _mm256_and_ps(a, seen(t)), b = _mm256_and_ps(b, seen(t + 8));
-      _mm256_storeu_ps(sr + t, a);
-      _mm256_storeu_ps(sr + t + 8, b);
-      s_lo = _mm256_add_ps(s_lo, a);
-      s_hi = _mm256_add_ps(s_hi, b);
-    }
-    m[row] = mxs;
-    sums[row] = hsum_halves(s_lo, s_hi);
+  __m256 mx_lo = _mm256_set1_ps(m_old), mx_hi = mx_lo;
+  for (int64_t t = 0; t < C; t += 16) {
+    __m256 a = _mm256_loadu_ps(sr + t), b = _mm256_loadu_ps(sr + t + 8);
+    if (valid < C) a = _mm256_blendv_ps(ninf, a, seen(t)), b = _mm256_blendv_ps(ninf, b, seen(t + 8));
+    mx_lo = _mm256_max_ps(mx_lo, a);
+    mx_hi = _mm256_max_ps(mx_hi, b);
   }
-  // alpha = 2^(old max - new max): 0 for a row that saw no key before (old max -inf), 1 for one with none now.
-  for (int64_t r0 = 0; r0 < NR; r0 += 8) {
-    const int64_t nr = std::min<int64_t>(8, NR - r0);
-    float mo[8] = {}, mn[8] = {}, lo[8] = {}, su[8] = {}, a[8], ln[8];
-    std::memcpy(mo, alpha + r0, nr * sizeof(float));
-    std::memcpy(mn, m + r0, nr * sizeof(float));
-    std::memcpy(lo, l + r0, nr * sizeof(float));
-    std::memcpy(su, sums + r0, nr * sizeof(float));
-    const __m256 vmo = _mm256_loadu_ps(mo);
-    const __m256 e = vexp2_8(_mm256_sub_ps(vmo, _mm256_loadu_ps(mn)));
-    const __m256 va = _mm256_andnot_ps(_mm256_cmp_ps(vmo, ninf, _CMP_EQ_OQ), e);
-    _mm256_storeu_ps(a, va);
-    _mm256_storeu_ps(ln, _mm256_fmadd_ps(_mm256_loadu_ps(lo), va, _mm256_loadu_ps(su)));
-    std::memcpy(alpha + r0, a, nr * sizeof(float));
-    std::memcpy(l + r0, ln, nr * sizeof(float));
+  const float mxs = hmax_halves(mx_lo, mx_hi);
+  const __m256 mx = _mm256_set1_ps(mxs);
+  __m256 s_lo = _mm256_setzero_ps(), s_hi = s_lo;
+  for (int64_t t = 0; t < C; t += 16) {
+    __m256 a = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), mx));
+    __m256 b = vexp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + t + 8), mx));
+    if (valid < C) a = _mm256_and_ps(a, seen(t)), b = _mm256_and_ps(b, seen(t + 8));
+    _mm256_storeu_ps(sr + t, a);
+    _mm256_storeu_ps(sr + t + 8, b);
+    s_lo = _mm256_add_ps(s_lo, a);
+    s_hi = _mm256_add_ps(s_hi, b);
   }
+  *sum = hsum_halves(s_lo, s_hi);
+  return mxs;
+}
+
+// For up to 8 rows: alpha = 2^(old max - new max) (0 where the old max is -inf), l = l * alpha + sums.
+constexpr int64_t kAlphaRows = 8;
+inline void alpha_rows(float* alpha, const float* m, float* l, const float* sums) {
+  const __m256 mo = _mm256_loadu_ps(alpha);
+  const __m256 e = vexp2_8(_mm256_sub_ps(mo, _mm256_loadu_ps(m)));
+  const __m256 a = _mm256_andnot_ps(_mm256_cmp_ps(mo, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ), e);
+  _mm256_storeu_ps(alpha, a);
+  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), a, _mm256_loadu_ps(sums)));
 }

@@ -103,65 +103,79 @@ void chunk_scores_f32(const Problem<kv_t>& P, const WorkItem& w, const float* q,
   }
 }
 
-#if !defined(PAGEDLLM_ATTENTION_AVX2)  // attention_avx2.h has its own
+#if !defined(PAGEDLLM_ATTENTION_AVX2)  // attention_avx2.h has its own two steps of softmax_chunk
+// One row of a chunk: its scores sr[0 .. kRowsChunk) to probabilities against the new running max (returned), the
+// first `valid` of them seen (the rest exact zeros); *sum: their sum.
+inline float row_softmax(float* sr, int64_t valid, float m_old, float* sum) {
+  constexpr int64_t C = kRowsChunk;
+  const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16 mxv = vset(m_old);
+  v16 s = {};
+  if (valid == C) {  // every key visible: no masking
+    for (int64_t t = 0; t < C; t += 16) mxv = vmax(mxv, vload(sr + t));
+    const v16 mx = vset(hmax(mxv));
+    for (int64_t t = 0; t < C; t += 16) {
+      const v16 e = vexp2(vload(sr + t) - mx);
+      vstore(sr + t, e);
+      s += e;
+    }
+    *sum = hsum(s);
+    return mx[0];
+  }
+  const vi16 lim = viset(static_cast<int32_t>(valid));
+  for (int64_t t = 0; t < C; t += 16)
+    mxv = vmax(mxv, (iota + static_cast<int32_t>(t)) < lim ? vload(sr + t) : vset(kNegInf));
+  const v16 mx = vset(hmax(mxv));
+  for (int64_t t = 0; t < C; t += 16) {
+    const v16 e = (iota + static_cast<int32_t>(t)) < lim ? vexp2(vload(sr + t) - mx) : v16{};
+    vstore(sr + t, e);
+    s += e;
+  }
+  *sum = hsum(s);
+  return mx[0];
+}
+
+// For up to 16 rows: alpha = 2^(old max - new max) (0 where the old max is -inf), l = l * alpha + sums.
+constexpr int64_t kAlphaRows = 16;
+inline void alpha_rows(float* alpha, const float* m, float* l, const float* sums) {
+  const v16 mo = vload(alpha);
+  const v16 a = mo == vset(kNegInf) ? v16{} : vexp2(mo - vload(m));
+  vstore(alpha, a);
+  vstore(l, vload(l) * a + vload(sums));
+}
+#endif
+
 // Online softmax over one chunk's scores S[row][0 .. kRowsChunk) of the rows row = (gi * R + ii) * G + j: query ii
 // (position first_pos + ii) sees the keys c0 .. first_pos + ii of the chunk's cn; the others, and padding, become
 // exact zeros. alpha[row]: the factor that brings the row's earlier sums to the new running max m[row], computed
 // for all rows at once after the loop (a scalar exp2 per row and chunk cost as much as the rest). `sums`: NR floats.
 inline void softmax_chunk(float* S, float* m, float* l, float* alpha, float* sums, int64_t NR, int64_t R, int64_t G,
                           int64_t cn, int64_t c0, int64_t first_pos) {
-  constexpr int64_t C = kRowsChunk;
-  const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t row = 0; row < NR; ++row) {
     const int64_t ii = (row / G) % R;
     const int64_t valid = std::min(cn, first_pos + ii + 1 - c0);
-    float* sr = S + row * C;
+    float* sr = S + row * kRowsChunk;
     alpha[row] = m[row];  // the old max, for the pass below
     sums[row] = 0.0f;
     if (valid <= 0) {
-      std::fill(sr, sr + C, 0.0f);
+      std::fill(sr, sr + kRowsChunk, 0.0f);
       continue;
     }
-    v16 mxv = vset(m[row]);
-    v16 sum = {};
-    if (valid == C) {  // every key visible: no masking
-      for (int64_t t = 0; t < C; t += 16) mxv = vmax(mxv, vload(sr + t));
-      const v16 mx = vset(hmax(mxv));
-      for (int64_t t = 0; t < C; t += 16) {
-        const v16 e = vexp2(vload(sr + t) - mx);
-        vstore(sr + t, e);
-        sum += e;
-      }
-      m[row] = mx[0];
-    } else {
-      const vi16 lim = viset(static_cast<int32_t>(valid));
-      for (int64_t t = 0; t < C; t += 16)
-        mxv = vmax(mxv, (iota + static_cast<int32_t>(t)) < lim ? vload(sr + t) : vset(kNegInf));
-      const v16 mx = vset(hmax(mxv));
-      for (int64_t t = 0; t < C; t += 16) {
-        const v16 e = (iota + static_cast<int32_t>(t)) < lim ? vexp2(vload(sr + t) - mx) : v16{};
-        vstore(sr + t, e);
-        sum += e;
-      }
-      m[row] = mx[0];
-    }
-    sums[row] = hsum(sum);
+    m[row] = row_softmax(sr, valid, m[row], sums + row);
   }
-  // alpha = 2^(old max - new max): 0 for a row that saw no key before (old max -inf), 1 for one with none now.
-  for (int64_t r0 = 0; r0 < NR; r0 += 16) {
-    const int64_t nr = std::min<int64_t>(16, NR - r0);
-    v16 mo = vset(0.0f), mn = vset(0.0f), lo = vset(0.0f), su = vset(0.0f);
-    std::memcpy(&mo, alpha + r0, nr * sizeof(float));
-    std::memcpy(&mn, m + r0, nr * sizeof(float));
-    std::memcpy(&lo, l + r0, nr * sizeof(float));
-    std::memcpy(&su, sums + r0, nr * sizeof(float));
-    const v16 a = mo == vset(kNegInf) ? v16{} : vexp2(mo - mn);
-    const v16 ln = lo * a + su;
-    std::memcpy(alpha + r0, &a, nr * sizeof(float));
-    std::memcpy(l + r0, &ln, nr * sizeof(float));
+  // alpha = 2^(old max - new max): 0 for a row that saw no key before (old max -inf), 1 for one with none now. The
+  // last rows through buffers padded with zeros.
+  int64_t r0 = 0;
+  for (; r0 + kAlphaRows <= NR; r0 += kAlphaRows) alpha_rows(alpha + r0, m + r0, l + r0, sums + r0);
+  if (r0 < NR) {
+    const size_t bytes = (NR - r0) * sizeof(float);
+    float a[kAlphaRows] = {}, mn[kAlphaRows] = {}, lo[kAlphaRows] = {}, su[kAlphaRows] = {};
+    std::memcpy(a, alpha + r0, bytes), std::memcpy(mn, m + r0, bytes), std::memcpy(lo, l + r0, bytes);
+    std::memcpy(su, sums + r0, bytes);
+    alpha_rows(a, mn, lo, su);
+    std::memcpy(alpha + r0, a, bytes), std::memcpy(l + r0, lo, bytes);
   }
 }
-#endif
 
 // An item's rows (row = (gi * R + ii) * G + j, unnormalised sums acc, running max m in log2 units, sum l) to the
 // output. A partition of a split decode leaves them in its slot instead, and the last partition of its group to
