@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A single stream (16-token prompt, 128 output tokens) while another process keeps part of one core busy (docs/scripts/cpu_noise.py):
 # the default threads (a governor: one thread fewer per core others hold) against --threads 1 and --threads 2 fixed.
-# usage: docs/scripts/thread_governor.sh OUT_DIR [ROUNDS]     (2 vCPUs; run with nothing else busy)
+# WORKLOAD=FILE.jsonl runs that workload (all at once, a batch) instead of the single stream.
+# usage: [WORKLOAD=FILE.jsonl] docs/scripts/thread_governor.sh OUT_DIR [ROUNDS]     (2 vCPUs; run with nothing else busy)
 set -euo pipefail
 out=${1:?out dir}; rounds=${2:-2}
 mkdir -p "$out"
@@ -20,7 +21,11 @@ echo "start $(date -u +%H:%M:%S) $(uptime)" | tee -a "$out/summary.txt"
 for r in $(seq "$rounds"); do
   for noise in 0 1.0 0.5; do
     for threads in default 1 2; do
-      run "$noise" "$threads" "single-noise$noise-threads$threads-r$r" --num-prompts 1 --input-len 16 --output-len 128
+      if [ -n "${WORKLOAD:-}" ]; then
+        run "$noise" "$threads" "batch-noise$noise-threads$threads-r$r" --dataset file --dataset-path "$WORKLOAD"
+      else
+        run "$noise" "$threads" "single-noise$noise-threads$threads-r$r" --num-prompts 1 --input-len 16 --output-len 128
+      fi
     done
   done
 done
