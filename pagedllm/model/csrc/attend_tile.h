@@ -107,6 +107,39 @@ inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// tile_softmax for the bf16 tiles: the same running max, sums and alpha, the probabilities going straight to bf16
+// key pairs PP[i * Mp + r] = (key 2i, key 2i + 1) of row r, rounded to nearest even (one vcvtne2ps2bf16 and one
+// interleave) instead of back to ST and through a second pass; their exp to ~3e-6 (exp2_poly4), far below bf16's
+// rounding. A missing last key of a pair counts as zero.
+inline void tile_softmax_pairs(const float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t c0, const int32_t* pos,
+                               bool masked, float* m, float* l, float* alpha, uint32_t* PP) {
+  const __m512i pv = _mm512_loadu_si512(pos + r0), order = _mm512_loadu_si512(kPairOrder);
+  const auto seen = [&](int64_t t) -> __mmask16 {  // lanes whose row sees key c0 + t
+    return masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(c0 + t)), pv) : 0xFFFF;
+  };
+  const __m512 m_old = _mm512_loadu_ps(m + r0);
+  __m512 mx = m_old;
+  for (int64_t t = 0; t < cn; ++t) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_loadu_ps(ST + t * Mp + r0));
+  const auto prob = [&](int64_t t) {
+    const __m512 e = vexp2_512(_mm512_loadu_ps(ST + t * Mp + r0) - mx, [](__m512 f) { return exp2_poly4(f); });
+    return _mm512_maskz_mov_ps(seen(t), e);
+  };
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < cn; t += 2) {
+    const __m512 a = prob(t);
+    sum += a;
+    __m512 b = _mm512_setzero_ps();
+    if (t + 1 < cn) sum += b = prob(t + 1);
+    _mm512_storeu_si512(PP + t / 2 * Mp + r0, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+  }
+  const __m512 al = vexp2_512(m_old - mx, [](__m512 f) { return exp2_poly(f); });
+  _mm512_storeu_ps(alpha + r0, al);
+  _mm512_storeu_ps(l + r0, _mm512_fmadd_ps(_mm512_loadu_ps(l + r0), al, sum));
+  _mm512_storeu_ps(m + r0, mx);
+}
+#endif
+
 // Whether attend_tile runs on vdpbf16ps (tile_bf16.h): bf16 queries over a bf16 cache, head_dim a multiple of 16,
 // on AVX512-BF16. Its scores are exact sums of the bf16 products; the probabilities are rounded to bf16 for the
 // values' sums, as flash attention does on GPUs (fp32 queries keep the fp32 kernel, and fp32's exact output).
@@ -134,15 +167,18 @@ inline void tile_value_pairs(const Problem<kv_t>& P, const int64_t* base, int64_
   (void)P, (void)base, (void)cn, (void)g, (void)VP;
 }
 
-// O[r] = O[r] * alpha[r] + sum_t P[r][t] V[t] for the rows from r0 (of Mp) over the chunk's cn keys, with the
-// probabilities ST[t][r] rounded to bf16 pairs in PP and the value pairs VP (bf16_tile(P) only).
-inline void tile_values_bf16(float* O, int64_t D, const float* alpha, const float* ST, int64_t Mp, int64_t r0,
-                             int64_t cn, uint32_t* PP, const uint32_t* VP) {
+// The chunk's softmax for the row vectors rv0 .. RV (tile_softmax_pairs: its probabilities as bf16 pairs in PP),
+// then O[r] = O[r] * alpha[r] + sum_t P[r][t] V[t] for their rows over the value pairs VP (bf16_tile(P) only).
+inline void tile_probs_values_bf16(float* O, int64_t D, const float* ST, int64_t Mp, int64_t rv0, int64_t RV,
+                                   int64_t cn, int64_t c0, const int32_t* pos, bool masked, float* m, float* l,
+                                   float* alpha, uint32_t* PP, const uint32_t* VP) {
 #if defined(__AVX512BF16__)
-  pack_prob_pairs(ST, Mp, r0, cn, PP);
-  pv_rows_bf16(O, D, alpha, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0);
+  for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP);
+  const int64_t r0 = rv0 * 16;
+  pv_rows_bf16(O, D, alpha + r0, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0);
 #else
-  (void)O, (void)D, (void)alpha, (void)ST, (void)Mp, (void)r0, (void)cn, (void)PP, (void)VP;
+  (void)O, (void)D, (void)ST, (void)Mp, (void)rv0, (void)RV, (void)cn, (void)c0, (void)pos, (void)masked, (void)m;
+  (void)l, (void)alpha, (void)PP, (void)VP;
 #endif
 }
 
@@ -250,13 +286,13 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       }
     }
 
-    for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha);
-
     const int64_t r0 = rv0 * 16;
-    if (pairs)
-      tile_values_bf16(O + r0 * D, D, alpha + r0, ST, Mp, r0, cn, PP, VP);
-    else
+    if (pairs) {
+      tile_probs_values_bf16(O + r0 * D, D, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP, VP);
+    } else {
+      for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha);
       pv_rows(O + r0 * D, D, alpha + r0, ST + r0, Mp, 1, vrow, cn, Mp - r0);
+    }
   }
   for (int64_t ii = 0; ii < R; ++ii)
     for (int64_t j = 0; j < G; ++j) {

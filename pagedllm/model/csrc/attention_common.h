@@ -49,6 +49,20 @@ inline float hmax(v16 v) {
 
 // 2^x for x <= 0 (scores minus their running max, in log2 units), relative error ~1e-7.
 // Round-to-nearest range reduction and a degree-7 polynomial; inputs below -125 give ~2^-125.
+#if defined(__AVX512F__)
+// On AVX-512 the range reduction is one rounding and one scaling instruction (vrndscaleps, vscalefps) instead of
+// the magic-number pair and the exponent's bits: the same results (2^n times p is exact either way), 4 instructions
+// fewer. `poly`: 2^f on [-0.5, 0.5].
+template <typename Poly>
+inline __m512 vexp2_512(__m512 x, Poly&& poly) {
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);  // NaN stays NaN, as below
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(poly(xc - n), n);
+}
+inline v16 vexp2(v16 x) {
+  return (v16)vexp2_512((__m512)x, [](__m512 f) { return exp2_poly(f); });
+}
+#else
 inline v16 vexp2(v16 x) {
   const v16 lo = vset(-125.0f);
   x = x < lo ? lo : x;
@@ -58,6 +72,7 @@ inline v16 vexp2(v16 x) {
   const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
   return p * (v16)e;
 }
+#endif
 
 // Rows of head_dim floats (head_dim % 16 == 0), from the cache's element type.
 inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }

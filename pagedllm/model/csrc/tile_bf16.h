@@ -45,12 +45,14 @@ inline void pack_query_pairs(const uint16_t* q, int64_t qs0, int64_t qs1, int64_
     }
 }
 
+// 16-bit words 0-15 and 16-31 of a vector interleaved (0, 16, 1, 17, ...): two vectors' bf16 values as pairs.
+inline constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // Value pairs of a chunk for pv_micro_bf16: VP[i * D + d] = (V[2i][d], V[2i + 1][d]) as bf16 pairs, from the V rows
 // vrow[t] (bf16, D % 16 == 0) of the chunk's cn keys; a missing last key of a pair counts as zero.
 inline void pack_value_pairs(const uint16_t* const* vrow, int64_t cn, int64_t D, uint32_t* VP) {
-  static constexpr uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i order = _mm512_loadu_si512(kOrder);
+  const __m512i order = _mm512_loadu_si512(kPairOrder);
   for (int64_t t = 0; t < cn; t += 2)
     for (int64_t d = 0; d < D; d += 16) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + d));
@@ -61,21 +63,9 @@ inline void pack_value_pairs(const uint16_t* const* vrow, int64_t cn, int64_t D,
     }
 }
 
-// Probabilities of a chunk as bf16 pairs of keys: PP[i * Mp + row] = (ST[2i][row], ST[2i + 1][row]) rounded to
-// bf16 (nearest even), for the row vectors from r0 (a multiple of 16) to Mp; a missing last key counts as zero.
-inline void pack_prob_pairs(const float* ST, int64_t Mp, int64_t r0, int64_t cn, uint32_t* PP) {
-  for (int64_t t = 0; t < cn; t += 2)
-    for (int64_t r = r0; r < Mp; r += 16) {
-      const __m512 a = _mm512_loadu_ps(ST + t * Mp + r);
-      const __m512 b = t + 1 < cn ? _mm512_loadu_ps(ST + (t + 1) * Mp + r) : _mm512_setzero_ps();
-      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
-      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
-      _mm512_storeu_si512(PP + t / 2 * Mp + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
-}
-
 // O[r][d0 .. d0 + 16 DV) = O * alpha[r] + sum_t P[r][t] V[t][..] for RB rows r (row stride D), over np key pairs:
-// PP[i * Mp + r] the rows' probability pairs, VP[i * D + d] the value pairs (see above).
+// PP[i * Mp + r] the rows' probability pairs (attend_tile.h's tile_softmax_pairs), VP[i * D + d] the value pairs
+// (see above).
 template <int RB, int DV>
 inline void pv_micro_bf16(float* O, int64_t D, const float* alpha, const uint32_t* PP, int64_t Mp,
                           const uint32_t* VP, int64_t d0, int64_t np) {
