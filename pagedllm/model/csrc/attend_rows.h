@@ -93,7 +93,7 @@ void attend_rows(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   finish_rows(P, w, acc, m, l, kbuf);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGEDLLM_ATTENTION_AVX2)
 // attend_rows over a bf16 cache (D = 32 * DW, or any multiple of 32 for DW = 0), reading the cache rows in place:
 // the scores by scores_8 (each key row loaded once for the R x G query rows of its kv head; q_t = uint16_t: bf16
 // queries by vdpbf16ps, q_t = float: fp32 queries by FMA over the keys widened in registers), the values by
@@ -116,7 +116,7 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
 
   size_t off = 0;
   // The query rows: raw bf16, or fp32 scaled to log2 units, 2D floats in the order of the widened keys (scores_8).
-  const int64_t QD = f32q ? 2 * D : D;
+  const int64_t QD = f32q ? kF32QueryWidth * D : D;
   q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * QD * sizeof(q_t) / sizeof(float), off));
   float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
   float* m = sc.take(NR, off);
@@ -136,14 +136,7 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
         const int64_t row = (gi * R + ii) * G + j, head = (w.kv_begin + gi) * G + j;
         const auto* src = static_cast<const q_t*>(P.q) + (tok0 + ii) * P.q_stride0 + head * P.q_stride1;
         if constexpr (f32q) {
-          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-          const __m512 mul = _mm512_set1_ps(P.scale_log2);
-          for (int64_t j = 0; j < D; j += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + j), mul);
-            _mm512_storeu_ps(qh + row * QD + 2 * j, _mm512_permutexvar_ps(even, x));
-            _mm512_storeu_ps(qh + row * QD + 2 * j + 16,
-                             _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), x));
-          }
+          layout_f32_query(src, P.scale_log2, D, qh + row * QD);
         } else {
           std::memcpy(qh + row * D, src, row_bytes);
         }
@@ -235,18 +228,19 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
       }
     }
   }
-  // Back to the natural order of the values: per block of 32, even values first, then odd ones.
+  // Back to the natural order of the values: per block of kPairBlock, even values first, then odd ones.
+  constexpr int64_t B = kPairBlock, H = kPairBlock / 2;
   for (int64_t row = 0; row < NR; ++row) {
     float* a = acc + row * D;
-    for (int64_t j = 0; j < D; j += 32)
-      for (int64_t i = 0; i < 16; ++i) tmp[j + 2 * i] = a[j + i], tmp[j + 2 * i + 1] = a[j + 16 + i];
+    for (int64_t j = 0; j < D; j += B)
+      for (int64_t i = 0; i < H; ++i) tmp[j + 2 * i] = a[j + i], tmp[j + 2 * i + 1] = a[j + H + i];
     std::memcpy(a, tmp, D * sizeof(float));
   }
   finish_rows(P, w, acc, m, l, tmp);
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGEDLLM_ATTENTION_AVX2)
 // attend_rows_bf16 compiled for the common head_dims.
 template <typename q_t>
 void attend_rows_bf16_any(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
@@ -260,10 +254,10 @@ void attend_rows_bf16_any(const Problem<at::BFloat16>& P, const WorkItem& w, Scr
 #endif
 
 // The decode kernel for this problem: over a bf16 cache with head_dim a multiple of 32, attend_rows_bf16 (fp32
-// queries: on AVX-512; bf16 queries: on AVX512-BF16), else attend_rows.
+// queries: on AVX-512 or AVX2; bf16 queries: on AVX512-BF16), else attend_rows.
 template <typename kv_t>
 void attend_decode(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc, Claim& claim) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGEDLLM_ATTENTION_AVX2)
   if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
     if (P.D % 32 == 0 && !P.half_q) return attend_rows_bf16_any<float>(P, w, sc, claim);
 #if defined(__AVX512BF16__)

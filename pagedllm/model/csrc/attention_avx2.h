@@ -139,3 +139,70 @@ inline void alpha_rows(float* alpha, const float* m, float* l, const float* sums
   _mm256_storeu_ps(alpha, a);
   _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), a, _mm256_loadu_ps(sums)));
 }
+
+// attend_rows_bf16's steps for fp32 queries over a bf16 cache (attend_rows.h; rows_bf16.h has the AVX-512 ones):
+// before them the decode widened every key row into a buffer and reduced each dot product on its own, 1.4x the
+// AVX-512 build's time. A bf16 is the top half of an fp32: a shift gives a row's even values, a mask its odd ones.
+constexpr int64_t kF32QueryWidth = 1;  // floats per head_dim value of a laid-out query row
+constexpr int64_t kPairBlock = 16;     // values per block of the value sums' order: the 8 even ones, then the 8 odd
+
+// A query row (D % 16 == 0) times mul in scores_8's order: per 16 values, the 8 even ones, then the 8 odd ones.
+inline void layout_f32_query(const float* src, float mul, int64_t D, float* dst) {
+  for (int64_t j = 0; j < D; j += 16)
+    for (int64_t i = 0; i < 8; ++i) dst[j + i] = src[j + 2 * i] * mul, dst[j + 8 + i] = src[j + 2 * i + 1] * mul;
+}
+
+// S[r * C + t] = q_r . k_t for RB query rows (laid out as above, row stride D) and 8 keys read in place: 8 running
+// sums of 8 lanes, one per key, reduced together by sum_lanes_8.
+template <int DW, int RB>
+inline void scores_8(const float* q, const uint16_t* const* krow, int64_t D_, float* S, int64_t C) {
+  const int64_t D = DW > 0 ? 32 * DW : D_;
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int r = 0; r < RB; ++r) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m256 qe = _mm256_loadu_ps(q + r * D + j), qo = _mm256_loadu_ps(q + r * D + j + 8);
+      for (int t = 0; t < 8; ++t) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[t] + j));
+        acc[t] = _mm256_fmadd_ps(qe, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), acc[t]);
+        acc[t] = _mm256_fmadd_ps(qo, _mm256_castsi256_ps(_mm256_and_si256(x, odd)), acc[t]);
+      }
+    }
+    _mm256_storeu_ps(S + r * C, sum_lanes_8(acc));
+  }
+}
+
+// O[r][16 values from d0] (their 8 even, then 8 odd) = O * alpha[r] (no alpha: 1) + sum_t P[r * C + t] * V[t] for
+// RB rows (row stride D), prefetching pf[t] for t < pfn along the way.
+template <int RB>
+inline void pv16_bf16(float* O, int64_t D, const float* alpha, const float* P, int64_t C,
+                      const uint16_t* const* vrow, int64_t d0, int64_t cn, const uint16_t* const* pf, int64_t pfn,
+                      int64_t pf_bytes) {
+  __m256 acc[RB][2];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2; ++i) {
+      acc[r][i] = _mm256_loadu_ps(O + r * D + d0 + 8 * i);
+      if (alpha) acc[r][i] = _mm256_mul_ps(acc[r][i], _mm256_set1_ps(alpha[r]));
+    }
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t t = 0; t < cn; ++t) {
+    if (t < pfn) prefetch_l2(pf[t], pf_bytes);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + d0));
+    const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), vo = _mm256_castsi256_ps(_mm256_and_si256(x, odd));
+    for (int r = 0; r < RB; ++r) {
+      const __m256 p = _mm256_set1_ps(P[r * C + t]);
+      acc[r][0] = _mm256_fmadd_ps(p, ve, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(p, vo, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2; ++i) _mm256_storeu_ps(O + r * D + d0 + 8 * i, acc[r][i]);
+}
+
+// pv_bf16 (rows_bf16.h) over the 32 * JW values from d0, 16 at a time (prefetching along the first 16).
+template <int JW, int RB>
+inline void pv_bf16(float* O, int64_t D, const float* alpha, const float* P, int64_t C, const uint16_t* const* vrow,
+                    int64_t d0, int64_t cn, const uint16_t* const* pf, int64_t pfn, int64_t pf_bytes) {
+  for (int64_t b = d0; b < d0 + 32 * JW; b += 16, pfn = 0) pv16_bf16<RB>(O, D, alpha, P, C, vrow, b, cn, pf, pfn, pf_bytes);
+}

@@ -6,7 +6,7 @@
 //  - attend_rows: decodes and very short chunks. Memory bound: each K/V row is read once for all query heads
 //    of its kv group, scores are dot products. Over a bf16 cache its own version, attend_rows_bf16, scores 8 keys x
 //    3 query heads per pass over the stored rows (bf16 queries: vdpbf16ps, on AVX512-BF16; fp32 queries: fp32 FMA
-//    over K rows widened in registers, on AVX-512) and converts V rows in registers: no row is copied to fp32
+//    over K rows widened in registers, on AVX-512 or AVX2) and converts V rows in registers: no row is copied to fp32
 //    first. Few long decodes are split into context partitions (flash-decoding), merged exactly.
 //  - attend_tile: prompt chunks. Compute bound: a tile of queries x (one kv head's query heads) is held
 //    transposed, so scores for a chunk of keys come out as S^T[key][row] with rows in vector lanes; the

@@ -3,7 +3,7 @@
 // namespace, after attention_common.h.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // Lane t of the result = the sum of the 8 lanes of v[t]: 14 shuffles and 7 adds for 8 sums.
 __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
   __m256 s[4], u[2];
@@ -13,6 +13,25 @@ __attribute__((always_inline)) inline __m256 sum_lanes_8(const __m256* v) {
     u[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
                          _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
   return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+#endif
+
+#if defined(__AVX512F__)
+// attend_rows_bf16's fp32 queries: floats per head_dim value as laid out for scores_8 below, and the block of values
+// whose even ones, then odd ones, its value sums hold (pv_bf16); attention_avx2.h has its own.
+constexpr int64_t kF32QueryWidth = 2;
+constexpr int64_t kPairBlock = 32;
+
+// A query row (D % 16 == 0) times mul in scores_8's order: per 16 values, the 8 even ones twice, then the 8 odd ones
+// twice.
+inline void layout_f32_query(const float* src, float mul, int64_t D, float* dst) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512 m = _mm512_set1_ps(mul);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + j), m);
+    _mm512_storeu_ps(dst + 2 * j, _mm512_permutexvar_ps(even, x));
+    _mm512_storeu_ps(dst + 2 * j + 16, _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), x));
+  }
 }
 
 #if defined(__AVX512BF16__)

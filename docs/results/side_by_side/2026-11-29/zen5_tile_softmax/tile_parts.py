@@ -1,7 +1,8 @@
 """Where the bf16 tiled (prompt) attention kernel spends its time: the kernel built alone (with the tests' binding),
-as it is and with one part taken out (its line made an empty statement) (results wrong, only timed), on one prompt of N tokens with the default model's
-heads (9/3 x 64, bf16 queries and cache, blocks of 16 in random order); ms per layer call, min and median of 28
-calls, the variants alternated twice. Run from the repository root: python .../tile_parts.py [N]"""
+as it is and with one part taken out (its line made an empty statement; results wrong, only timed), on one prompt
+of N tokens with the default model's heads (9/3 x 64, bf16 queries and cache, blocks of 16 in random order); ms per
+layer call, min and median of 28 calls, the variants alternated twice. From the repository root:
+python .../tile_parts.py [N]"""
 import hashlib
 import shutil
 import sys
