@@ -115,10 +115,11 @@ void attend_rows_bf16(const Problem<at::BFloat16>& P, const WorkItem& w, Scratch
   constexpr int64_t C = kRowsChunk;
 
   size_t off = 0;
-  // The query rows: raw bf16, or fp32 scaled to log2 units, 2D floats in the order of the widened keys (scores_8).
+  // The query rows: raw bf16, or fp32 scaled to log2 units, kF32QueryWidth * D floats in the order of the widened
+  // keys (layout_f32_query).
   const int64_t QD = f32q ? kF32QueryWidth * D : D;
   q_t* qh = reinterpret_cast<q_t*>(sc.take(NR * QD * sizeof(q_t) / sizeof(float), off));
-  float* acc = sc.take(NR * D, off);  // per row and 32 values: 16 even ones, then 16 odd ones (see pv_bf16)
+  float* acc = sc.take(NR * D, off);  // per row and kPairBlock values: the even ones, then the odd (see pv_bf16)
   float* m = sc.take(NR, off);
   float* l = sc.take(NR, off);
   float* alpha = sc.take(NR, off);
