@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A single stream (16-token prompt, 128 output tokens) while another process keeps part of one core busy (docs/scripts/cpu_noise.py):
 # the default threads (a governor: one thread fewer per core others hold) against --threads 1 and --threads 2 fixed.
-# WORKLOAD=FILE.jsonl runs that workload (all at once, a batch) instead of the single stream.
+# WORKLOAD=FILE.jsonl runs that workload (its first 100 requests, bench throughput's default, all at once: a batch)
+# instead of the single stream.
 # usage: [WORKLOAD=FILE.jsonl] docs/scripts/thread_governor.sh OUT_DIR [ROUNDS]     (2 vCPUs; run with nothing else busy)
 set -euo pipefail
 out=${1:?out dir}; rounds=${2:-2}
