@@ -204,5 +204,6 @@ inline void pv16_bf16(float* O, int64_t D, const float* alpha, const float* P, i
 template <int JW, int RB>
 inline void pv_bf16(float* O, int64_t D, const float* alpha, const float* P, int64_t C, const uint16_t* const* vrow,
                     int64_t d0, int64_t cn, const uint16_t* const* pf, int64_t pfn, int64_t pf_bytes) {
-  for (int64_t b = d0; b < d0 + 32 * JW; b += 16, pfn = 0) pv16_bf16<RB>(O, D, alpha, P, C, vrow, b, cn, pf, pfn, pf_bytes);
+  for (int64_t b = d0; b < d0 + 32 * JW; b += 16, pfn = 0)
+    pv16_bf16<RB>(O, D, alpha, P, C, vrow, b, cn, pf, pfn, pf_bytes);
 }
