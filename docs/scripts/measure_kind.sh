@@ -13,8 +13,8 @@ vllm_python=$1 vllm_model=$2 out=$3 rounds=${4:-2}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out/offline" "$out/serve" "$out/long" "$out/flags"
 { date -u; uptime; lscpu; } > "$out/machine.txt"
-grep -o -w 'amx[a-z0-9_]*\|avx512_bf16\|avx512_vnni\|avx512f\|avx2' "$out/machine.txt" | sort -u | tr '\n' ' ' \
-    | sed 's/^/ISA: /; s/$/\n/' | tee -a "$out/machine.txt"
+{ grep -o -w 'amx[a-z0-9_]*\|avx512_bf16\|avx512_vnni\|avx512f\|avx2' "$out/machine.txt" || true; } | sort -u \
+    | tr '\n' ' ' | sed 's/^/ISA: /; s/$/\n/' | tee -a "$out/machine.txt"
 pagedllm bench kernels --threads 2 > "$out/bench_kernels.txt" 2>&1
 
 workload=$out/offline/workload.jsonl

@@ -1,6 +1,6 @@
 // attend_rows_bf16's micro-kernels on AVX-512 (scores of 8 keys for a few query rows over bf16 keys read in place,
-// the values' sums over bf16 rows widened in registers). Included by paged_attention.cpp inside its anonymous
-// namespace, after attention_common.h.
+// the values' sums over bf16 rows widened in registers; attention_avx2.h has their AVX2 twins, which share
+// sum_lanes_8 from here). Included by paged_attention.cpp inside its anonymous namespace, after attention_common.h.
 #pragma once
 
 #if defined(__AVX2__)
