@@ -16,6 +16,7 @@ for round in $(seq 1 "$rounds"); do
         echo "round $round $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg) $tree:" \
             "$(grep -o 'Throughput:.*' <<< "$out" | head -1)"
         grep -o 'kernels (measured.*' <<< "$out" | head -1
+        grep -o 'attention (measured.*' <<< "$out" | head -1 || true
         rm -rf "$cache"
     done
 done

@@ -3,8 +3,9 @@ attention). The row (decode) kernel and the tiled (prefill) kernel cross over at
 CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the row kernel stayed the faster up to
 48 rows in a busy step (the tiled one from 96), and the tiled kernel's bf16 form (vdpbf16ps) was chosen by ISA
 alone. So at the first start on a machine the engine times both kernels on the model's own attention shape at a few
-query counts, in a busy step (every sequence its own task) and in a step of one sequence, and the tiled kernel's two
-forms on a prompt where both exist; the route is cached beside the kernel table (model/machine_cache.py).
+query counts, in a busy step (every sequence its own task) and in steps of few sequences (1 to 4 per thread: a run's
+tail, where drafts are verified a few queries at a time), and the tiled kernel's two forms on a prompt where both
+exist; the route is cached beside the kernel table (model/machine_cache.py).
 PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
 from __future__ import annotations
@@ -34,22 +35,27 @@ logger = logging.getLogger("pagedllm")
 
 # Part of a table's key: changed when a kernel's speed changes enough that an old route no longer holds, or the table's
 # fields change.
-ATTENTION_VERSION = "1"
+ATTENTION_VERSION = "2"  # 2: steps of few sequences timed as a mix of 1 to 4T-1 sequences, not one of 512 tokens
 FORCE_ENV = "PAGEDLLM_ATTENTION"  # measured (default) | static
-QUERY_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # queries per sequence timed; rows = queries x query heads per kv head
+# Queries per sequence timed; rows = queries x query heads per kv head. Every count to 4 and 6: a verification of k
+# drafts has k + 1 queries (4 by default), and between timed counts the boundary is only guessed.
+QUERY_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BUSY_SEQS_PER_THREAD = 8  # a busy step: more sequences than the kernel's 4 per thread, so none is split
-BUSY_CONTEXTS = (100, 1000)  # each busy sequence's context, drawn from this range (seeded)
-FEW_CONTEXT = 512  # the step of one sequence: this many tokens of context
+BUSY_CONTEXTS = (100, 1000)  # each sequence's context, drawn from this range (seeded), in both kinds of step
+# Steps of few sequences (fewer than 4 per thread), timed together (the sum counts): 1, 2T and 4T-1 sequences on T
+# threads. A step of one 512-token sequence alone put the boundary at 9 rows on a Zen 5, where the 200 requests then
+# ran 4% slower than with the hand-set 20 rows; over this mix it lands at 59-118 rows there (step_contexts).
 PROMPT = 512  # the tiled kernel's two forms compared on one prompt of this many tokens
 SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one warm-up; the fastest counts
 MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
 TILE_WINS_TO_STOP = 2  # the tiled kernel faster at this many query counts in a row: bigger ones are its too
 TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
-BUDGET_S = 0.3  # measuring stops at the next query count past this; the counts timed decide
+BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (~0.35 s on a Zen 5)
 REGIMES = ("busy", "few")
 REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts of "
                        f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
-               "few": f"one sequence, a context of {FEW_CONTEXT} tokens"}
+               "few": f"1, 2T and 4T-1 sequences on T threads, timed together, contexts of "
+                      f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens"}
 
 # One timed call: (what, kernel, rows, run) -> seconds. Tests pass fake timings.
 Timer = Callable[[str, str, int, Callable[[], object]], float]
@@ -186,9 +192,27 @@ def time_kernels(runs: dict[str, list[Callable[[], object]]], what: str, rows: i
     return {k: min(s[1:]) for k, s in samples.items()}
 
 
+def step_contexts(regime: str, gen: torch.Generator) -> list[list[int]]:
+    """The contexts of each step a regime's calls run (a call runs one layer of every step)."""
+    threads = torch.get_num_threads()
+    counts = [BUSY_SEQS_PER_THREAD * threads] if regime == "busy" else sorted({1, 2 * threads, 4 * threads - 1})
+    return [torch.randint(BUSY_CONTEXTS[0], BUSY_CONTEXTS[1] + 1, (n,), generator=gen).tolist() for n in counts]
+
+
+def together(runs: list[list[Callable[[], object]]]) -> list[Callable[[], object]]:
+    """Per layer, one call that runs that layer of each step in turn (steps with fewer layer copies wrap around)."""
+    return [functools.partial(_run_all, [layers[i % len(layers)] for layers in runs])
+            for i in range(max(map(len, runs)))]
+
+
+def _run_all(calls: list[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
+
+
 def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = BUDGET_S) -> AttentionTable:
-    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then per regime (the step of one sequence
-    first: it costs least) the row and tiled kernels at QUERY_COUNTS, stopping where the tiled kernel has won
+    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then per regime (steps of few sequences
+    first: they cost least) the row and tiled kernels at QUERY_COUNTS, stopping where the tiled kernel has won
     TILE_WINS_TO_STOP in a row or the budget is spent."""
     ext = kernels.load()  # built (or loaded) before the clock starts
     start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
@@ -199,18 +223,15 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
         forms = {name: prompt.runs(PROMPT, AttentionRoute(1, 1, name == "pairs"), gen) for name in ("pairs", "fp32")}
         table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)
         pairs = table.route().tile_pairs
-    busy = torch.randint(BUSY_CONTEXTS[0], BUSY_CONTEXTS[1] + 1, (BUSY_SEQS_PER_THREAD * torch.get_num_threads(),),
-                         generator=gen)
-    lens = {"few": [FEW_CONTEXT], "busy": busy.tolist()}
     kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, pairs), "tile": AttentionRoute(1, 1, pairs)}
     for regime in ("few", "busy"):
-        step, wins = _Step.build(shape, lens[regime], gen), 0
+        steps, wins = [_Step.build(shape, lens, gen) for lens in step_contexts(regime, gen)], 0
         for queries in QUERY_COUNTS:
             if wins >= TILE_WINS_TO_STOP or time.perf_counter() - start > budget_s:
                 break
             rows = queries * shape.group
-            best = time_kernels({k: step.runs(queries, route, gen) for k, route in kernel_routes.items()}, regime,
-                                rows, timer)
+            best = time_kernels({k: together([s.runs(queries, route, gen) for s in steps])
+                                 for k, route in kernel_routes.items()}, regime, rows, timer)
             table.rows[regime].append(rows)
             for kernel, seconds in best.items():
                 table.times[regime][kernel].append(seconds)

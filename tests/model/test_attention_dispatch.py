@@ -52,13 +52,26 @@ def crossing_at(busy: int, few: int, calls: list | None = None) -> ad.Timer:
 def test_the_tiled_kernel_takes_over_where_it_is_faster_in_each_kind_of_step(ext):
     calls = []
     table = ad.measure(SHAPE, crossing_at(busy=40, few=10, calls=calls))
-    assert table.rows["busy"] == [3, 6, 12, 24, 48, 96] and table.rows["few"] == [3, 6, 12, 24]
+    assert table.rows["busy"] == [3, 6, 9, 12, 18, 24, 36, 48, 72] and table.rows["few"] == [3, 6, 9, 12, 18]
     route = table.route()
-    # busy: the row kernel won at 24 rows, the tiled one at 48 and 96: the boundary at their geometric midpoint
-    assert route == AttentionRoute(math.isqrt(24 * 48) + 1, math.isqrt(6 * 12) + 1, True)
+    # busy: the row kernel won at 36 rows, the tiled one at 48 and 72: the boundary at their geometric midpoint
+    assert route == AttentionRoute(math.isqrt(36 * 48) + 1, math.isqrt(9 * 12) + 1, True)
     assert not table.tile_forms and not any(what == "prompt" for what, _, _ in calls)  # fp32: one tile form
     # each count: a warm-up and ad.SAMPLES samples per kernel, interleaved
     assert calls[:4] == [("few", "rows", 3), ("few", "tile", 3)] * 2
+
+
+def test_steps_of_few_sequences_are_timed_as_a_mix_up_to_one_short_of_four_per_thread(two_threads):
+    """A run's tail has 1 to 4T-1 sequences: one of each end and two per thread, each call running all three; a
+    busy step has 8 per thread."""
+    gen = torch.Generator().manual_seed(0)
+    assert [len(lens) for lens in ad.step_contexts("few", gen)] == [1, 4, 7]
+    assert [len(lens) for lens in ad.step_contexts("busy", gen)] == [16]
+    ran = []
+    calls = ad.together([[lambda: ran.append("a0"), lambda: ran.append("a1")], [lambda: ran.append("b0")]])
+    for call in calls:
+        call()
+    assert ran == ["a0", "b0", "a1", "b0"]
 
 
 def test_timing_stops_after_the_tiled_kernel_wins_twice_in_a_row(ext):
