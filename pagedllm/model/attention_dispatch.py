@@ -3,8 +3,8 @@ attention). The row (decode) kernel and the tiled (prefill) kernel cross over at
 CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the row kernel stayed the faster up to
 48 rows in a busy step (the tiled one from 96), and the tiled kernel's bf16 form (vdpbf16ps) was chosen by ISA
 alone. So at the first start on a machine the engine times both kernels on the model's own attention shape at a few
-query counts, in a busy step (every sequence its own task) and in steps of few sequences (1 to 4 per thread: a run's
-tail, where drafts are verified a few queries at a time), and the tiled kernel's two forms on a prompt where both
+query counts, in a busy step (every sequence its own task) and in steps of few sequences (fewer than 4 per thread: a
+run's tail, where drafts are verified a few queries at a time), and the tiled kernel's two forms on a prompt where both
 exist; the route is cached beside the kernel table (model/machine_cache.py).
 PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
@@ -50,7 +50,7 @@ SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one wa
 MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
 TILE_WINS_TO_STOP = 2  # the tiled kernel faster at this many query counts in a row: bigger ones are its too
 TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
-BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (~0.35 s on a Zen 5)
+BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (0.3-0.45 s on a Zen 5)
 REGIMES = ("busy", "few")
 REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts of "
                        f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
