@@ -50,7 +50,7 @@ SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one wa
 MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
 TILE_WINS_TO_STOP = 2  # the tiled kernel faster at this many query counts in a row: bigger ones are its too
 TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
-BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (0.3-0.45 s on a Zen 5)
+BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (0.28-0.42 s on a Zen 5)
 REGIMES = ("busy", "few")
 REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts of "
                        f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
