@@ -161,10 +161,11 @@ class EngineConfig:
     seed: int = 0
     kv_policy: str = SchedulerConfig.kv_policy  # the scheduler's fields are described in SchedulerConfig
     batching: str = SchedulerConfig.batching
-    # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, in steps of up to
-    # layers.INT4_MAX_ROWS rows, in bf16; w8a8: that, and int8 weights (per output row) with int8 activations (per
-    # token) for every other step; auto: w8a8 for a bf16 engine on a GGUF file with 4-bit weights, else none;
-    # none: every weight dequantized to the dtype
+    # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, for the step sizes where the measured
+    # dispatch finds them faster (model/dispatch.py); w8a8: that, and int8 weights (per output row) with int8
+    # activations (per token) for every matmul; auto: int4 plus the lm_head in int8 (VNNI or AMX only: its top
+    # candidates are rescored in fp32) for a bf16 engine on such a file, and the int8 lm_head under `--dtype auto`
+    # in fp32; else none. none: every weight dequantized to the dtype
     quantization: str = "auto"
     # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
     # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
@@ -283,9 +284,10 @@ class EngineConfig:
                        help="torch threads (default: the CPUs this process may use, from its affinity and cgroup "
                             "quota)")
         g.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATION_MODES,
-                       help="int4: a GGUF file's 4-bit weights serve small steps as stored (bf16 only); w8a8: that, "
-                            "and int8 weights and activations for every other step; auto: w8a8 for a bf16 engine on "
-                            "a GGUF file with 4-bit weights, else none; none: every weight dequantized")
+                       help="int4: a GGUF file's 4-bit weights also serve, as stored, the step sizes where they are "
+                            "measured faster; w8a8: that, and int8 weights and activations for every matmul; auto: "
+                            "int4 and an int8 lm_head (on CPUs with VNNI or AMX) on such a file, else none; none: "
+                            "every weight dequantized")
         g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV cache storage. int8: 8-bit values per group of 16 with an fp16 scale and min, 0.625x "
                             "bf16's bytes (1.6x the tokens in the same memory); auto: bfloat16, or float32 with "
