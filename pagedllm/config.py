@@ -163,9 +163,9 @@ class EngineConfig:
     batching: str = SchedulerConfig.batching
     # int4: a GGUF file's 4-bit (Q4_0, Q4_1) layer weights also run as stored, for the step sizes where the measured
     # dispatch finds them faster (model/dispatch.py); w8a8: that, and int8 weights (per output row) with int8
-    # activations (per token) for every matmul; auto: int4 plus the lm_head in int8 (VNNI or AMX only: its top
-    # candidates are rescored in fp32) for a bf16 engine on such a file, and the int8 lm_head under `--dtype auto`
-    # in fp32; else none. none: every weight dequantized to the dtype
+    # activations (per token) for every matmul; auto: int4, plus the lm_head in int8 (VNNI or AMX only: its top
+    # candidates are rescored in fp32) for a bf16 engine on such a file or wherever `--dtype auto` chose fp32;
+    # none: every weight dequantized to the dtype
     quantization: str = "auto"
     # int8: K and V stored as 8-bit values per group of 16 with an fp16 scale and min, 0.625x bf16's bytes (opt-in:
     # 1.6x the tokens in the same memory, but at the accuracy gate's edge and no faster on this CPU,
