@@ -10,6 +10,7 @@
 #   tokens each (the workload's longest request is 1,460), one HTTP thread per slot, continuous batching (its
 #   default). Not its unified KV cache: there every token's attention spans every slot's cells, masked, and 64
 #   slots ran at 67 output tokens/s with 4 of 200 requests dropped.
+#   LLAMA_FLAGS: more llama-server flags, e.g. LLAMA_FLAGS='--spec-type ngram-simple' (its n-gram speculation).
 set -euo pipefail
 llama_server=$1 workload=$2 out=$3 rounds=${4:-2} concurrency=${5:-64}
 shift $(( $# < 5 ? $# : 5 ))
@@ -26,7 +27,7 @@ for round in $(seq 1 "$rounds"); do
     for gguf in "${ggufs[@]}"; do
         serve_run "llama.cpp-$(basename "$gguf" .gguf)" 8003 "$llama_server" -m "$gguf" -t 2 -tb 2 -np "$concurrency" \
             -c $(( concurrency * 1536 )) --no-kv-unified --threads-http "$concurrency" --host 127.0.0.1 --port 8003 \
-            --no-webui
+            --no-webui ${LLAMA_FLAGS:-}
     done
     serve_run pagedllm 8002 pagedllm serve --port 8002 --threads 2
 done
