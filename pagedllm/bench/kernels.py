@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.model import attention_dispatch, dispatch, machine_cache
+from pagedllm.model import attention_dispatch, dispatch, kernel_timing, machine_cache
 from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.layers import PackedWeight
 from pagedllm.model.model_runner import ModelRunner, kernel_variant
@@ -48,7 +48,7 @@ def dtype_times(shape: tuple[int, int]) -> dict[str, list[float]]:
         times = []
         for rows in DTYPE_ROWS:
             run = functools.partial(weight.mm, torch.randn(rows, shape[1], generator=g).to(dtype), path="onednn")
-            times.append(min(dispatch.time_call("dtype", "onednn", rows, run) for _ in range(8)))
+            times.append(min(kernel_timing.time_call("dtype", "onednn", rows, run) for _ in range(8)))
         out[str(dtype).removeprefix("torch.")] = times
     return out
 
@@ -97,7 +97,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             else "not cached: the machine was busy")
     print(f"{name}, {dtype}, {torch.get_num_threads()} threads, {machine_cache.cpu_identity()[0]}, load "
           f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s ({kept}); times per call, the fastest "
-          f"of {dispatch.SAMPLES}")
+          f"of {kernel_timing.SAMPLES}")
     print_table(table)
     biggest = max((ws[0].shape for kind, ws in weights.items() if kind != "lm_head"), key=lambda s: s[0] * s[1])
     dtypes = dtype_times(biggest)

@@ -14,32 +14,18 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from pagedllm.model import machine_cache
+from pagedllm.model import kernel_timing, machine_cache
+from pagedllm.model.kernel_timing import PATHS, Timer, time_call
 from pagedllm.model.layers import BIGGEST, PackedWeight, Route, padded_rows
 
 logger = logging.getLogger("pagedllm")
 
-PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_gemm.cpp (VNNI); int8_mm: oneDNN's
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
-LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
-SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
-# Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, other layers at each
-# sample, as a step reads them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over
-# oneDNN at 64 rows was in those first reads, docs/scripts/linear_cold_weights.py; on a 32 MB cache, 8 layers read
-# again hid the 4-bit form's lead at 1-8 rows, docs/scripts/step_order_paths.py); beyond, where the arithmetic
-# dominates, on one.
-COLD_MAX_ROWS = 256
-COLD_WEIGHTS = 8
-PRUNE = 2.0  # a path this much slower than oneDNN, and falling further behind, is not timed at bigger row counts
 TIE = 0.03  # oneDNN's matmul (no extra copy of the weight; int8 changes numerics) keeps a row count within this
-BUDGET_S = 2.5  # the first start's measuring stops here, the biggest row count's once-over (ANCHOR_SAMPLES) included
-ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
 FORCE_ENV = "PAGEDLLM_KERNEL"  # measured (default) | static | one of PATHS
 PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the table decided (measured, the default)
 # Part of a table's key: changed when a kernel's speed changes enough that an old table's winners no longer hold, or
@@ -48,8 +34,9 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # each activation once into a register, 8-25% faster per call on Zen 5: docs/scripts/gemm_kernels_speed.py; 7:
 # bf16_gemm prefetches a thread's whole next panel while it computes the current one, 3-24% faster at 16-128 rows in
 # Zen 5's table; 8: the int8 lm_head adds its outlier channels' product as it writes the logits, instead of a bf16
-# addmm over them afterwards: the greedy logits pass 11% faster at 64 rows, 14% at 256, docs/scripts/logits_pass.py).
-KERNELS_VERSION = "8"
+# addmm over them afterwards: the greedy logits pass 11% faster at 64 rows, 14% at 256, docs/scripts/logits_pass.py;
+# 9: row counts timed coarse to fine, kernel_timing.py: a table cut short by its budget had the wrong crossover).
+KERNELS_VERSION = "9"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5
@@ -60,10 +47,6 @@ FRESH_ROWS = (23, 45, 91)
 FRESH_SHIFT = 2
 PAD_BUDGET_S = 0.25  # kinds past this are counted at the measured ones' mean
 _fresh_calls = itertools.count()
-
-# One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
-Timer = Callable[[str, str, int, Callable[[], object]], float]
-
 
 @dataclass
 class KernelTable:
@@ -160,7 +143,7 @@ def prebuild_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict
     """The part of a table's key known before the model is built: the machine, the kernels' version, the model, its
     dtype and `variant` (the engine flags that choose its weights' forms)."""
     return {**machine_cache.machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
-            "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(BUCKETS)}
+            "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(kernel_timing.BUCKETS)}
 
 
 def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str,
@@ -175,120 +158,11 @@ def cacheable(table: KernelTable) -> bool:
     return machine_cache.quiet(table.load, table.others_cpu)
 
 
-def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
-    for w in weights:
-        w.mm(x, path=path)
-
-
 def measure(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
             budget_s: float | None = None) -> KernelTable:
-    """Time every kind's paths on its own weights, small row counts first (for every kind) so a spent budget cuts
-    only the biggest, whose last is then timed once (anchor_biggest); the budget holds both, as projected from the
-    times so far (over_budget). A kind with one path is not timed. A row count whose times do not fit the one before
-    (twice the rows in under 2/3 of the time, or in over 3x: a neighbour's load, not the kernel) is timed again,
-    with the one before, and each keeps its fastest."""
-    start, budget_s = time.perf_counter(), BUDGET_S if budget_s is None else budget_s
-    buckets = {kind: list(LM_HEAD_BUCKETS if kind == "lm_head" else BUCKETS) for kind in weights}
-    times = {kind: {p: [None] * len(buckets[kind]) for p in PATHS if p in ws[0].paths()}
-             for kind, ws in weights.items()}
-    alive = {kind: list(paths) for kind, paths in times.items() if len(paths) > 1}
-    for i in range(len(BUCKETS)):
-        for kind in [k for k in alive if i < len(buckets[k]) and len(alive[k]) > 1]:
-            if over_budget(weights, buckets, alive, times, kind, i, budget_s - (time.perf_counter() - start)):
-                anchor_biggest(weights, buckets, alive, dtype, timer, times)
-                return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
-            time_bucket(weights[kind], kind, buckets[kind], i, alive[kind], dtype, timer, times[kind])
-            if i > 0 and not plausible(times[kind], buckets[kind], alive[kind], i):
-                for j in (i - 1, i):
-                    time_bucket(weights[kind], kind, buckets[kind], j, alive[kind], dtype, timer, times[kind])
-            alive[kind] = [p for p in alive[kind] if not falling_behind(times[kind], p, i)]
-    return KernelTable(buckets, times, seconds=round(time.perf_counter() - start, 3))
-
-
-def projected(weights: list[PackedWeight], rows: list[int], i: int, paths: list[str],
-              times: dict[str, list[float | None]], samples_per_path: int) -> float:
-    """What timing `paths` at rows[i] would take: each on the line through its last two timed row counts below i (a
-    small call's time is mostly its fixed cost, so no proportion to its rows); 0 before any was timed."""
-    timed = [j for j in range(i) if all(times[p][j] is not None for p in paths)]
-    if not timed:
-        return 0.0
-    group = len(weights[:COLD_WEIGHTS if rows[i] <= COLD_MAX_ROWS else 1])
-    total = 0.0
-    for p in paths:
-        last = times[p][timed[-1]]
-        slope = 0.0 if len(timed) < 2 else max(0.0, (last - times[p][timed[-2]]) / (rows[timed[-1]] - rows[timed[-2]]))
-        total += (samples_per_path + 1) * group * (last + slope * (rows[i] - rows[timed[-1]]))
-    return total
-
-
-def over_budget(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]], alive: dict[str, list[str]],
-                times: dict[str, dict[str, list[float | None]]], kind: str, i: int, left_s: float) -> bool:
-    """Whether timing `kind` at row count i, and then every kind's biggest (anchor_biggest), would pass `left_s`."""
-    cost = projected(weights[kind], buckets[kind], i, alive[kind], times[kind], SAMPLES)
-    for other, paths in alive.items():
-        last = len(buckets[other]) - 1
-        if len(paths) > 1 and all(times[other][p][last] is None for p in paths) and (other, last) != (kind, i):
-            cost += projected(weights[other], buckets[other], last, paths, times[other], ANCHOR_SAMPLES)
-    return cost > left_s
-
-
-def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]],
-                   alive: dict[str, list[str]], dtype: torch.dtype, timer: Timer,
-                   times: dict[str, dict[str, list[float | None]]]) -> None:
-    """Out of budget: each kind's biggest row count, if untimed, once per path still compared. Without it the last
-    small row count's winner took every bigger batch (a small-batch kernel where, on AMX, oneDNN's tiles win)."""
-    for kind, paths in alive.items():
-        last = len(buckets[kind]) - 1
-        if len(paths) > 1 and all(times[kind][p][last] is None for p in paths):
-            time_bucket(weights[kind], kind, buckets[kind], last, paths, dtype, timer, times[kind], ANCHOR_SAMPLES)
-
-
-def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: int, paths: list[str],
-                dtype: torch.dtype, timer: Timer, times: dict[str, list[float | None]],
-                samples_per_path: int = SAMPLES) -> None:
-    """Time `paths` at row count buckets[i], interleaved, one warm-up then the samples; keep each one's fastest."""
-    rows = buckets[i]
-    groups = sample_groups(weights, rows, samples_per_path + 1)
-    x = torch.randn(rows, weights[0].shape[1]).to(dtype)
-    samples: dict[str, list[float]] = {p: [] for p in paths}
-    for group in groups:
-        for p in paths:
-            samples[p].append(timer(kind, p, rows, functools.partial(_run, group, x, p)) / len(group))
-    for p, s in samples.items():
-        best = min(s[1:])
-        times[p][i] = best if times[p][i] is None else min(times[p][i], best)
-
-
-def sample_groups(weights: list[PackedWeight], rows: int, count: int) -> list[list[PackedWeight]]:
-    """The weights each of `count` samples runs on: up to COLD_MAX_ROWS, COLD_WEIGHTS layers, the next ones at each
-    sample (wrapping), so no sample finds its weights where an earlier one of the same path left them; beyond, one."""
-    if rows > COLD_MAX_ROWS:
-        return [weights[:1]] * count
-    n = min(COLD_WEIGHTS, len(weights))
-    return [[weights[(s * n + j) % len(weights)] for j in range(n)] for s in range(count)]
-
-
-def plausible(times: dict[str, list[float | None]], buckets: list[int], paths: list[str], i: int) -> bool:
-    """More rows never take much less time, nor more than 1.5x in proportion."""
-    grow = buckets[i] / buckets[i - 1]
-    return all(times[p][i - 1] is None or 2 / 3 <= times[p][i] / times[p][i - 1] <= 1.5 * grow for p in paths)
-
-
-def falling_behind(times: dict[str, list[float | None]], path: str, i: int) -> bool:
-    """Over PRUNE x oneDNN (the fallback, which always stays) at row count i and further behind it than at the one
-    before: a small-batch kernel past its range (int8's fixed costs shrink with rows instead, so it stays). Not the
-    winner's: at 1-4 rows, reading a third of the bytes, the 4-bit kernel is 2.3x faster than bf16_gemm, which from 16
-    rows wins."""
-    def ratio(j: int) -> float:
-        mine, fallback = times[path][j], times["onednn"][j]
-        return mine / fallback if mine is not None and fallback is not None else math.inf
-    return path != "onednn" and i > 0 and ratio(i) > PRUNE and ratio(i) > ratio(i - 1)
+    """Every kind's paths timed on its own weights (kernel_timing.measure_paths), as a table."""
+    buckets, times, seconds = kernel_timing.measure_paths(weights, dtype, timer, budget_s)
+    return KernelTable(buckets, times, seconds=seconds)
 
 
 def mean_padding(rows: int) -> float:

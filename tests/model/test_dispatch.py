@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model import dispatch, kernels, machine_cache
+from pagedllm.model import dispatch, kernel_timing, kernels, machine_cache
 from pagedllm.model.layers import BIGGEST, Int8Weight, PackedWeight, linear, padded_rows, static_route
 
 
@@ -26,7 +26,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(dispatch.CAPACITY_ENV, raising=False)  # oneDNN's own 1,024: room for bounded shapes
     monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
-    monkeypatch.setattr(dispatch, "BUDGET_S", math.inf)  # fake times are no seconds: the budget tests pass their own
+    monkeypatch.setattr(kernel_timing, "BUDGET_S", math.inf)  # fake times are no seconds: budget tests pass their own
     yield
 
 
@@ -90,53 +90,74 @@ def test_a_row_count_not_timed_takes_the_nearest_timed_winner():
     assert cut.route("qkv") == ((11, "int4"), (BIGGEST, "onednn"))
 
 
-def test_a_spent_budget_still_times_the_biggest_row_count(ext, monkeypatch):
-    """On AMX, the 4-bit kernel wins the small batches and oneDNN's tiles the big ones: a budget spent after the
-    small row counts must not hand the big batches to the small-batch kernel. The biggest row count is timed once
-    (one warm-up, ANCHOR_SAMPLES samples) per path still compared."""
-    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
-    w = weights(ext, layers=1)
+def test_a_spent_budget_still_finds_where_the_small_batch_kernel_stops_winning(ext, monkeypatch):
+    """A 1B model's calls are slow enough that 2.5 s times a few row counts only. Taken smallest first, they all
+    went to 1-8 rows and the small-batch kernel took every batch up to the biggest's geometric midpoint; coarse to
+    fine (1 row, the biggest, then midway where the winners differ) the same four row counts find the crossover.
+    The biggest is timed once (one warm-up, ANCHOR_SAMPLES samples) as soon as 1 row is."""
     clock = iter(range(1000))
-    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: float(next(clock)))  # a second per look
+    monkeypatch.setattr(kernel_timing.time, "perf_counter", lambda: float(next(clock)))  # a second per look
 
-    class Amx(FakeTimer):  # int8 here stands for the small-batch kernel
+    class Amx(FakeTimer):  # int8 here stands for the small-batch kernel: it wins up to 8 rows
         def __call__(self, kind, path, rows, run):
             super().__call__(kind, path, rows, run)
-            fast = {"int8": 1.0, "onednn": 4.0} if rows < 64 else {"int8": 90.0, "onednn": 10.0}
-            return fast[path] * 1e-6
+            return ({"int8": 1.0, "onednn": 4.0} if rows <= 8 else {"int8": 90.0, "onednn": 10.0})[path] * 1e-6
     timer = Amx({"int8": 0.0, "onednn": 0.0})
-    t = dispatch.measure(w, torch.float32, timer, budget_s=2.5)
-    assert ("qkv", "int8", 8) in timer.calls and ("qkv", "int8", 64) not in timer.calls  # the budget cut at 64
-    assert timer.calls["qkv", "onednn", 512] == timer.calls["qkv", "int8", 512] == dispatch.ANCHOR_SAMPLES + 1
-    assert t.winners("qkv") == ["int8", "int8", "int8", "onednn"]  # 64 rows: as near 8 as 512, so the smaller's
+    t = dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=4.5)  # four looks at the clock
+    assert sorted({rows for _, _, rows in timer.calls}) == [1, 4, 32, 1024]
+    assert timer.calls["qkv", "onednn", 1024] == timer.calls["qkv", "int8", 1024] == kernel_timing.ANCHOR_SAMPLES + 1
+    assert t.winners("qkv") == ["int8"] * 4 + ["onednn"] * 7  # 8 rows nearer 4 than 32, 16 nearer 32
+    assert t.route("qkv") == ((11, "int8"), (BIGGEST, "onednn"))
 
 
-@pytest.mark.parametrize("budget, timed, at_512", [(2571, {1, 8, 512}, dispatch.ANCHOR_SAMPLES + 1),
-                                                    (2573, {1, 8, 64, 512}, dispatch.ANCHOR_SAMPLES + 1),
-                                                    (5000, {1, 8, 64, 512}, dispatch.SAMPLES + 1)])
+@pytest.mark.parametrize("budget, timed, at_512", [(50, {1, 512}, kernel_timing.ANCHOR_SAMPLES + 1),
+                                                    (100, {1, 8, 512}, kernel_timing.ANCHOR_SAMPLES + 1),
+                                                    (600, {1, 8, 64, 512}, kernel_timing.ANCHOR_SAMPLES + 1),
+                                                    (5000, {1, 8, 64, 512}, kernel_timing.SAMPLES + 1)])
 def test_the_budget_holds_the_row_count_it_times_and_the_biggest(ext, monkeypatch, budget, timed, at_512):
-    """Before each row count the engine projects what it and the biggest row count's once-over would take, on the
-    line through the last two timed (a call here costs 1 s plus 1 s a row: after 1 and 8 rows, 64 rows' four calls a
-    path 4 x 65 x 2 = 520 s, 512 rows' two 2 x 513 x 2 = 2,052 s), and stops where they pass the budget."""
-    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
-    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: 0.0)  # no time passes: only the projection counts
+    """Before each row count the engine projects what it would take, each path on the line through the nearest
+    timed row counts either side (a call here costs 1 s plus 1 s a row: after 1 and 512 rows, 8 rows' four calls a
+    path 4 x 9 x 2 = 72 s, then 64 rows' 4 x 65 x 2 = 520 s), and stops where that passes the budget. The biggest is
+    timed once right after 1 row whatever the budget, and given its other samples at the end where they fit (2 more
+    a path, 2 x 513 x 2 = 2,052 s)."""
+    monkeypatch.setattr(kernel_timing, "BUCKETS", (1, 8, 64, 512))
+    monkeypatch.setattr(kernel_timing.time, "perf_counter", lambda: 0.0)  # no time passes: only the projection counts
     timer = FakeTimer({"int8": 1.0, "onednn": 1.0}, fixed={"int8": 1.0, "onednn": 1.0})
     dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=budget)
     assert {rows for _, _, rows in timer.calls} == timed
     assert timer.calls["qkv", "int8", 512] == timer.calls["qkv", "onednn", 512] == at_512
 
 
+def test_the_next_row_count_is_midway_where_the_winners_differ():
+    """After 1 row and the biggest, the widest gap whose two ends have different winners is split first; with none
+    left, the widest gap; a row count where one path is left to compare is not timed."""
+    none = [None] * 11
+    times = {"int4": [1.0, *none[1:]], "onednn": [2.0, *none[1:]]}
+    assert kernel_timing.next_bucket(times) == 10
+    times["int4"][10], times["onednn"][10] = 9.0, 3.0
+    assert kernel_timing.next_bucket(times) == 5
+    times["int4"][5], times["onednn"][5] = 2.0, 2.5  # the 4-bit kernel still wins at 32 rows: split 32-1,024
+    assert kernel_timing.next_bucket(times) == 7
+    times["int4"][7], times["onednn"][7] = 3.0, 2.9
+    assert kernel_timing.next_bucket(times) == 6  # 64 rows: between 32 (int4) and 128 (onednn)
+    times["int4"][6], times["onednn"][6] = 2.4, 2.6
+    assert kernel_timing.next_bucket(times) == 2  # no gap's winners differ now: the widest, 1-32 rows
+    pruned = {"int4": [1.0, 5.0, *none[2:]], "onednn": [2.0, 2.0, *none[2:]]}  # 2.5x behind and falling: dropped
+    pruned["int4"][10], pruned["onednn"][10] = 9.0, 3.0
+    assert kernel_timing.compared(pruned, 5) == ["onednn"] and kernel_timing.next_bucket(pruned) is None
+
+
 def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
     """int8 costs a fixed overhead (wins nothing at 1 row) and less per row: timed on, it wins the big batches. Once a
     path is over PRUNE x the winner and falling further behind it is not timed again, while oneDNN always is; a kind
     with one path is not timed at all."""
-    monkeypatch.setattr(dispatch, "BUCKETS", (1, 8, 64, 512))
+    monkeypatch.setattr(kernel_timing, "BUCKETS", (1, 8, 64, 512))
     w = weights(ext, layers=1)  # the fake's times are per sample: one weight a sample at every row count
     timer = FakeTimer({"int8": 1.0, "onednn": 2.0}, fixed={"int8": 20.0})
     t = dispatch.measure(w, torch.float32, timer)
     assert t.winners("qkv") == ["onednn", "onednn", "int8", "int8"]
     assert not any(kind == "o" for kind, _, _ in timer.calls)
-    assert set(timer.calls.values()) == {dispatch.SAMPLES + 1}  # one warm-up, then the timed samples
+    assert set(timer.calls.values()) == {kernel_timing.SAMPLES + 1}  # one warm-up, then the timed samples
     slow = FakeTimer({"int8": 10.0, "onednn": 1.0}, fixed={"int8": -5.0})  # 5x behind at 1 row, 9.4x at 8
     t = dispatch.measure(w, torch.float32, slow)
     assert ("qkv", "int8", 8) in slow.calls and ("qkv", "int8", 64) not in slow.calls
@@ -148,30 +169,30 @@ def test_a_path_is_pruned_by_its_distance_to_onednn_not_to_the_winner():
     """bf16_gemm 2.3x behind the 4-bit kernel at 1-2 rows (a third of the bytes) but ahead of oneDNN goes on to the
     row counts it wins; the 4-bit kernel past 2x oneDNN's time, and falling further behind, stops."""
     small = {"int4": [1.0, 1.0], "bf16_gemm": [2.3, 2.4], "onednn": [3.0, 3.1]}
-    assert not dispatch.falling_behind(small, "bf16_gemm", 1)
+    assert not kernel_timing.falling_behind(small, "bf16_gemm", 1)
     big = {"int4": [3.0, 7.0], "bf16_gemm": [2.0, 3.5], "onednn": [2.0, 3.0]}
-    assert dispatch.falling_behind(big, "int4", 1) and not dispatch.falling_behind(big, "bf16_gemm", 1)
-    assert not dispatch.falling_behind(big, "onednn", 1)
+    assert kernel_timing.falling_behind(big, "int4", 1) and not kernel_timing.falling_behind(big, "bf16_gemm", 1)
+    assert not kernel_timing.falling_behind(big, "onednn", 1)
 
 
 def test_each_sample_runs_on_weights_no_earlier_sample_touched():
     """Up to COLD_MAX_ROWS a sample's weights are other layers than the samples before it (a step reads each layer
     once, from memory), wrapping round the model's layers; bigger calls run on one weight."""
     layers = [PackedWeight(PLAIN) for _ in range(30)]
-    groups = dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS, 3)
+    groups = kernel_timing.sample_groups(layers, kernel_timing.COLD_MAX_ROWS, 3)
     ids = [[id(w) for w in g] for g in groups]
-    assert all(len(g) == dispatch.COLD_WEIGHTS for g in ids)
-    assert len({i for g in ids for i in g}) == 3 * dispatch.COLD_WEIGHTS  # 24 distinct of 30
-    assert dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS, 4)[3][-2:] == layers[:2]  # wrapped
-    assert dispatch.sample_groups(layers, dispatch.COLD_MAX_ROWS + 1, 2) == [layers[:1]] * 2
-    assert dispatch.sample_groups(layers[:2], 1, 2) == [layers[:2], layers[:2]]
+    assert all(len(g) == kernel_timing.COLD_WEIGHTS for g in ids)
+    assert len({i for g in ids for i in g}) == 3 * kernel_timing.COLD_WEIGHTS  # 24 distinct of 30
+    assert kernel_timing.sample_groups(layers, kernel_timing.COLD_MAX_ROWS, 4)[3][-2:] == layers[:2]  # wrapped
+    assert kernel_timing.sample_groups(layers, kernel_timing.COLD_MAX_ROWS + 1, 2) == [layers[:1]] * 2
+    assert kernel_timing.sample_groups(layers[:2], 1, 2) == [layers[:2], layers[:2]]
 
 
 def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatch):
     """A neighbour's load stalls the samples of one row count: 8 rows slower than 16 makes both be timed again, and
     the stall does not decide the winner."""
-    monkeypatch.setattr(dispatch, "BUCKETS", (4, 8, 16))
-    stalls = {("qkv", "int8", 8): dispatch.SAMPLES + 1}  # every sample of the first round at 8 rows
+    monkeypatch.setattr(kernel_timing, "BUCKETS", (4, 8, 16))
+    stalls = {("qkv", "int8", 8): kernel_timing.SAMPLES + 1}  # every sample of the first round at 8 rows
 
     class Stalled(FakeTimer):
         def __call__(self, kind, path, rows, run):
@@ -183,7 +204,7 @@ def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatc
     timer = Stalled({"int8": 1.0, "onednn": 2.0})
     t = dispatch.measure(weights(ext, layers=1), torch.float32, timer)
     assert t.winners("qkv") == ["int8"] * 3
-    assert timer.calls["qkv", "int8", 8] == 2 * (dispatch.SAMPLES + 1)
+    assert timer.calls["qkv", "int8", 8] == 2 * (kernel_timing.SAMPLES + 1)
 
 
 def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, tmp_path, caplog):
