@@ -152,9 +152,14 @@ def over_budget(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[
     cost = projected(weights[kind], buckets[kind], i, compared(times[kind], i), times[kind], calls)
     for other, paths in times.items():
         last = len(buckets[other]) - 1
-        if len(paths) > 1 and paths["onednn"][last] is None and (other, last) != (kind, i):
+        if anchor_due(paths, last) and (other, last) != (kind, i):
             cost += projected(weights[other], buckets[other], last, compared(paths, last), paths, ANCHOR_SAMPLES + 1)
     return cost > left_s
+
+
+def anchor_due(times: PathTimes, last: int) -> bool:
+    """The biggest row count is not timed yet and still has paths to compare."""
+    return times["onednn"][last] is None and len(compared(times, last)) > 1
 
 
 def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, list[int]], dtype: torch.dtype,
@@ -163,7 +168,7 @@ def anchor_biggest(weights: dict[str, list[PackedWeight]], buckets: dict[str, li
     small row count's winner took every bigger batch (a small-batch kernel where, on AMX, oneDNN's tiles win)."""
     for kind, paths in times.items():
         last = len(buckets[kind]) - 1
-        if len(paths) > 1 and paths["onednn"][last] is None:
+        if anchor_due(paths, last):
             time_bucket(weights[kind], kind, buckets[kind], last, compared(paths, last), dtype, timer, paths,
                         ANCHOR_SAMPLES)
 

@@ -143,8 +143,10 @@ def test_the_next_row_count_is_midway_where_the_winners_differ():
     times["int4"][6], times["onednn"][6] = 2.4, 2.6
     assert kernel_timing.next_bucket(times) == 2  # no gap's winners differ now: the widest, 1-32 rows
     pruned = {"int4": [1.0, 5.0, *none[2:]], "onednn": [2.0, 2.0, *none[2:]]}  # 2.5x behind and falling: dropped
+    assert not kernel_timing.anchor_due(pruned, 10)  # nothing left to compare there: not timed, nor budgeted for
     pruned["int4"][10], pruned["onednn"][10] = 9.0, 3.0
     assert kernel_timing.compared(pruned, 5) == ["onednn"] and kernel_timing.next_bucket(pruned) is None
+    assert kernel_timing.anchor_due({"int4": [1.0, None], "onednn": [2.0, None]}, 1)
 
 
 def test_measure_keeps_the_fastest_and_prunes_the_slow_small_batch_path(ext, monkeypatch):
