@@ -251,7 +251,7 @@ class PackedWeight:
     def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
                  bf16: Bf16Weight | None = None) -> None:
         self.pad_rows = False  # set by model/dispatch.py under PAGEDLLM_PAD_ROWS=1
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+        self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.shape = tuple(plain.shape)  # [out, in]
         self.int4 = int4
         self.int8 = int8
@@ -272,10 +272,13 @@ class PackedWeight:
         """The forms this weight can run as (dispatch's path names)."""
         forms = {"int4": self.int4, "bf16_gemm": self.bf16}
         int8 = self.int8.forms() if self.int8 is not None else frozenset()
-        return frozenset(name for name, form in forms.items() if form is not None) | int8 | {"onednn"}
+        onednn = frozenset({"onednn"}) if self.packed is not None else frozenset()
+        return frozenset(name for name, form in forms.items() if form is not None) | int8 | onednn
 
     def keep_only(self, paths: frozenset[str]) -> None:
-        """Drop the forms no route uses (their memory); oneDNN's packed weight stays, every path's fallback."""
+        """Drop the forms no route uses (their memory; oneDNN's too: on a 1B model where the 4-bit kernel and
+        bf16_gemm take every batch, 1.9 GB)."""
+        self.packed = self.packed if "onednn" in paths else None
         self.int4 = self.int4 if "int4" in paths else None
         self.bf16 = self.bf16 if "bf16_gemm" in paths else None
         if self.int8 is not None:

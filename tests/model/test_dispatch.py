@@ -258,6 +258,7 @@ def test_routing_drops_the_forms_no_route_takes_and_linear_follows_the_route(ext
     torch.testing.assert_close(linear(x, weight), x @ plain.T)
     w = {"qkv": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext))]}
     dispatch.apply(table({"qkv": {"int8": [1.0], "onednn": [5.0]}}, [1]), w)
+    assert w["qkv"][0].packed is None and w["qkv"][0].paths() == {"int8"}  # oneDNN's copy too, where unrouted
     out = linear(x, w["qkv"][0])
     assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03
 
@@ -358,7 +359,7 @@ def test_an_int8_weight_offers_both_products_and_keeps_the_one_routed(ext):
     assert {"int8_mm", "onednn"} <= w["lm_head"][0].paths()
     dispatch.apply(table({"lm_head": {"int8": [3.0], "int8_mm": [1.0], "onednn": [5.0]}}, [1]), w)
     weight = w["lm_head"][0]
-    assert weight.paths() == {"int8_mm", "onednn"} and weight.int8.packed is None
+    assert weight.paths() == {"int8_mm"} and weight.int8.packed is None and weight.packed is None
     x = torch.randn(5, 32)
     out = linear(x, weight)
     assert ((out - 2 * x @ plain.T).norm() / out.norm()).item() < 0.03
