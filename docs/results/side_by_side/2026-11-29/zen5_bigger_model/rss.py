@@ -5,13 +5,12 @@ import sys
 from pagedllm import LLM, SamplingParams
 
 
-def rss_mib() -> float:
+def print_rss() -> None:
     for line in open("/proc/self/status"):
         if line.startswith(("VmRSS", "VmHWM")):
             print(line.strip())
-    return 0.0
 
 
 llm = LLM(model=sys.argv[1], threads=2)
 llm.generate("Hello", SamplingParams(max_tokens=8), use_tqdm=False)
-rss_mib()
+print_rss()
