@@ -396,7 +396,8 @@ def test_api_key(small_server: Server) -> None:
 
 # ---- the async engine on a fake engine -------------------------------------------------------------------
 class FakeEngine:
-    """Just enough of LLMEngine: every step gives each request one token until it has `length` of them.
+    """Just enough of LLMEngine: every step gives each request one token until it has `length` of them, taking
+    `step_s` (so that a test sets `fail` before a long request ends, however late a loaded machine runs it).
     Prompt [13] is rejected on add; `fail` makes step() raise (the engine cannot go on)."""
 
     model_name = "fake"
@@ -404,8 +405,8 @@ class FakeEngine:
     max_prompt_chars = None
     tokenizer = None
 
-    def __init__(self, length: int = 3) -> None:
-        self.length = length
+    def __init__(self, length: int = 3, step_s: float = 0.0) -> None:
+        self.length, self.step_s = length, step_s
         self.tokens: dict[str, list[int]] = {}
         self.steps = 0
         self.fail: Exception | None = None
@@ -444,6 +445,8 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self.steps += 1
+        if self.step_s:
+            time.sleep(self.step_s)
         if self.fail is not None:
             raise self.fail
         outputs = []
@@ -490,7 +493,7 @@ def test_async_engine_bad_request_fails_alone_and_idle_does_not_spin() -> None:
 
 
 def test_async_engine_without_factory_dies_on_a_step_failure_and_fails_everything() -> None:
-    fake = FakeEngine(length=1000)
+    fake = FakeEngine(length=1000, step_s=0.005)  # 5 s to set `fail` before the request ends
 
     async def run() -> None:
         engine = AsyncLLMEngine(fake)
@@ -511,7 +514,7 @@ def test_async_engine_without_factory_dies_on_a_step_failure_and_fails_everythin
 
 
 def test_async_engine_with_factory_restarts_and_serves_again() -> None:
-    broken, fresh = FakeEngine(length=1000), FakeEngine(length=3)
+    broken, fresh = FakeEngine(length=1000, step_s=0.005), FakeEngine(length=3)
     restarts = []
 
     class Observer:
