@@ -277,7 +277,7 @@ class PackedWeight:
 
     def keep_only(self, paths: frozenset[str]) -> None:
         """Drop the forms no route uses (their memory; oneDNN's too: on a 1B model where the 4-bit kernel and
-        bf16_gemm take every batch, 1.9 GB)."""
+        bf16_gemm take every batch, 1.8 GB of RSS: docs/performance.md, the 1B section)."""
         self.packed = self.packed if "onednn" in paths else None
         self.int4 = self.int4 if "int4" in paths else None
         self.bf16 = self.bf16 if "bf16_gemm" in paths else None
