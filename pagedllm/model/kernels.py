@@ -66,6 +66,13 @@ def int8_products_exact() -> bool:
     return not capped and any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+def int8_available() -> bool:
+    """Whether int8 products run exactly here by some path: int8_gemm (VNNI, or AVX2's exact int16 pairs) or
+    oneDNN's int8 matmul (VNNI, AMX). Where neither, the engine runs no int8 at all."""
+    ext = load()
+    return int8_products_exact() or (ext is not None and ext.int8_gemm_supported())
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -99,20 +99,22 @@ class Int8Weight:
     product sums exactly in int32 and is scaled back into the output as it is written. Numerics change beyond bf16
     rounding: opt-in, or by default where the accuracy gate passes (docs/performance.md).
 
-    The product is the C++ kernel int8_gemm (csrc/int8_gemm.cpp: AVX512-VNNI, the weight packed once here); the
-    lm_head's 576 -> 49,152 runs there in ~0.7 ms at 1-4 rows (the weight's read) and at ~790 GOP/s from 16 rows
-    up, where torch._int_mm, which gets a plain weight and reorders it on every call, took 1.6-2.2 ms and 300-640
-    GOP/s (`python docs/scripts/lm_head_int8.py`). Without the kernel (no VNNI, or inputs not a multiple of 4) the
-    product is torch._int_mm over INT8_COLUMN_BLOCK output columns at a time (in one call over 49,152 columns
-    oneDNN fell from ~680 to ~400 GOP/s past 160 rows, its int32 output outgrew the caches; `python
-    docs/scripts/int8_column_blocks.py`), scaled back by dequantize_int32 (csrc/int8_linear.cpp)."""
+    The product is the C++ kernel int8_gemm (csrc/int8_gemm.cpp: AVX512-VNNI, or AVX2's exact int16 pairs; the
+    weight packed once here); on Zen 5 the lm_head's 576 -> 49,152 runs there in ~0.7 ms at 1-4 rows (the weight's
+    read) and at ~790 GOP/s from 16 rows up, where torch._int_mm, which gets a plain weight and reorders it on every
+    call, took 1.6-2.2 ms and 300-640 GOP/s (`python docs/scripts/lm_head_int8.py`). Without the kernel (inputs not a
+    multiple of 4; only where oneDNN's int8 is exact, with VNNI or AMX) the product is torch._int_mm over
+    INT8_COLUMN_BLOCK output columns at a time (in one call over 49,152 columns oneDNN fell from ~680 to ~400 GOP/s
+    past 160 rows, its int32 output outgrew the caches; `python docs/scripts/int8_column_blocks.py`), scaled back by
+    dequantize_int32 (csrc/int8_linear.cpp)."""
 
     PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
 
     def __init__(self, plain: torch.Tensor, ext: ModuleType, kernel: bool = True, outliers: int = 0,
                  int_mm: bool = False) -> None:
         """kernel=False: the torch._int_mm path even where the kernel runs (to compare the two); int_mm=True: both
-        (model/dispatch.py times them: oneDNN's int8 matmul runs on AMX tiles where the CPU has them). outliers: input
+        where oneDNN's products are exact (model/dispatch.py times them: oneDNN's int8 matmul runs on AMX tiles where
+        the CPU has them; without VNNI it saturates, so only the kernel runs). outliers: input
         channels per call kept out of the int8 product (see mm); keeps a transposed copy of the weight for them."""
         w = plain.float()
         self.outliers = min(outliers, plain.shape[1])
@@ -125,13 +127,16 @@ class Int8Weight:
         self.q_t: torch.Tensor | None = None  # [in, out] view, for torch._int_mm
         if kernel and self.kernel_available(ext, q.shape[1]):
             self.packed = self.pack(q)
-        if self.packed is None or int_mm:
+        if self.packed is None or (int_mm and kernels.int8_products_exact()):
+            if not kernels.int8_products_exact():
+                raise ValueError("no exact int8 product for this weight here: oneDNN's int8 sums saturate without "
+                                 f"VNNI, and int8_gemm takes inputs in groups of 4 ({q.shape[1]})")
             self.q_t = q.t()
         self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
 
     @staticmethod
     def kernel_available(ext: ModuleType | None, in_features: int) -> bool:
-        """int8_gemm runs on AVX512-VNNI, over inputs in groups of 4 (and sums of at most 66,308 of them in int32)."""
+        """int8_gemm runs on AVX512-VNNI or AVX2, over inputs in groups of 4 (at most 66,308 of them: int32 sums)."""
         return ext is not None and ext.int8_gemm_supported() and in_features % 4 == 0 and 0 < in_features <= 66308
 
     @classmethod

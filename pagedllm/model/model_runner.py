@@ -102,10 +102,10 @@ class ModelRunner:
         loaded = load_model(config.model, dtype, keep_4bit=keep_4bit)
         int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
             (loaded.q4_weights and dtype == torch.bfloat16) or dispatch.auto_fp32(config.dtype, dtype))) else ()
-        if int8 and not kernels.int8_products_exact():  # no VNNI: int8 sums would saturate, so no int8 at all
+        if int8 and not kernels.int8_available():  # no exact int8 product here: no int8 at all
             if config.quantization == "w8a8":
-                raise ValueError("--quantization w8a8 needs a CPU with VNNI (avx512_vnni, avx_vnni) or AMX: without "
-                                 "it int8 products saturate")
+                raise ValueError("--quantization w8a8 needs pagedllm's C++ kernels on a CPU with AVX2 (or VNNI, AMX):"
+                                 " without them int8 products saturate")
             int8 = ()
         kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
         num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(

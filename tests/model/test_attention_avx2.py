@@ -5,33 +5,20 @@ and run here too (~30 s to compile, once per source change)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import torch
+from haswell_build import CSRC, build_for_haswell
 from test_attention import MANY_DECODES, MIXED, assert_close, make_batch
 
-from pagedllm.model import kernels
-
-CSRC = Path(kernels.__file__).parent / "csrc"
 SOURCES = [Path(__file__).parent / "attention_binding.cpp", CSRC / "paged_attention.cpp"]
 ROWS, TILE = 1 << 30, 1
 
 
 @pytest.fixture(scope="module")
 def haswell():
-    if not {"avx2", "fma", "f16c"} <= set(kernels._cpu_flags().split()):
-        pytest.skip("this CPU cannot run AVX2 code")
-    from torch.utils.cpp_extension import load
-
-    key = b"".join(p.read_bytes() for p in [*SOURCES, *CSRC.glob("*.h")]) + str(Path(torch.__file__)).encode()
-    try:
-        return load(name=f"pagedllm_attention_haswell_{hashlib.sha256(key).hexdigest()[:12]}",
-                    sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=haswell", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
-    except Exception as exc:  # no compiler: the engine's own build would have failed too
-        pytest.skip(f"the haswell build failed: {exc}")
+    return build_for_haswell("attention", SOURCES)
 
 
 @pytest.mark.parametrize("kernel", [ROWS, TILE], ids=["rows", "tile"])

@@ -32,11 +32,11 @@ def own_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ext():
-    """The int8 kernel (VNNI) is the fake timings' second path: CPUs without VNNI run no int8 (their products would
-    saturate), so the dispatch's tests skip there."""
+    """The int8 kernel (VNNI, or AVX2's int16 pairs) is the fake timings' second path: a build without it runs no
+    int8, so the dispatch's tests skip there."""
     ext = kernels.load() or pytest.skip(f"kernels did not build: {kernels.build_error()}")
-    if not (ext.int8_gemm_supported() and kernels.int8_products_exact()):
-        pytest.skip("no VNNI here: no int8 path to time")
+    if not ext.int8_gemm_supported():
+        pytest.skip("no int8_gemm in this build: no int8 path to time")
     return ext
 
 
@@ -307,17 +307,29 @@ def test_the_engine_logs_its_kernels(tiny_model_dir, caplog, tmp_path):
     assert list((tmp_path / "cache").glob("kernels-*.json"))
 
 
-def test_a_cpu_without_vnni_runs_no_int8(tiny_model_dir, monkeypatch):
-    """Without VNNI oneDNN's int8 products saturate (vpmaddubsw's int16 pairs): `auto` keeps the lm_head in its
-    plain form, and `--quantization w8a8` is refused at start-up with why, not run with wrong sums."""
+def test_a_cpu_without_an_exact_int8_product_runs_no_int8(tiny_model_dir, monkeypatch):
+    """Without VNNI oneDNN's int8 products saturate (vpmaddubsw's int16 pairs), and without AVX2 there is no int8_gemm
+    either: `auto` keeps the lm_head in its plain form, and `--quantization w8a8` is refused at start-up with why,
+    not run with wrong sums."""
     from pagedllm import config
 
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)  # auto: fp32, where the lm_head may go int8
-    monkeypatch.setattr(kernels, "int8_products_exact", lambda: False)
+    monkeypatch.setattr(kernels, "int8_available", lambda: False)
     llm = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
     assert llm.engine.runner.model.lm_head_weight.int8 is None and not llm.engine.runner.model.int8
-    with pytest.raises(ValueError, match="VNNI"):
+    with pytest.raises(ValueError, match="AVX2"):
         LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1, quantization="w8a8")
+
+
+def test_without_vnni_int8_runs_only_on_the_kernel(ext, monkeypatch):
+    """Where oneDNN's int8 products saturate, an int8 weight has the kernel's product only (no torch._int_mm form to
+    route to), and a weight the kernel cannot take (inputs not in groups of 4) is refused, not run wrong."""
+    monkeypatch.setattr(kernels, "int8_products_exact", lambda: False)
+    plain = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    weight = PackedWeight(plain, int8=Int8Weight(plain, ext, int_mm=True))
+    assert weight.paths() == {"int8", "onednn"}
+    with pytest.raises(ValueError, match="groups of 4"):
+        Int8Weight(torch.randn(64, 30), ext)
 
 
 def test_int8_products_are_exact_only_with_vnni(monkeypatch):
@@ -335,8 +347,8 @@ def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_
     rescored in fp32: greedy tokens equal an explicit float32 engine's, which keeps no int8 form at all."""
     from pagedllm import SamplingParams, config
 
-    if not kernels.int8_products_exact():
-        pytest.skip("no VNNI here: the engine runs no int8")
+    if not kernels.int8_available():
+        pytest.skip("no exact int8 product here: the engine runs no int8")
 
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setenv(dispatch.FORCE_ENV, "int8")
@@ -354,6 +366,8 @@ def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_
 def test_an_int8_weight_offers_both_products_and_keeps_the_one_routed(ext):
     """With int_mm, the int8 form has the kernel's product and torch._int_mm's (oneDNN: AMX tiles where there are
     some): both candidates, and routing keeps only the winner's copy of the weight."""
+    if not kernels.int8_products_exact():
+        pytest.skip("no VNNI here: oneDNN's int8 products saturate, so there is no torch._int_mm form")
     plain = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
     w = {"lm_head": [PackedWeight(plain, int8=Int8Weight(plain * 2, ext, int_mm=True))]}
     assert {"int8_mm", "onednn"} <= w["lm_head"][0].paths()

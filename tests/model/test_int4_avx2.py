@@ -4,35 +4,22 @@ gets, so the AVX2 code is built and run here too (~15 s to compile, once per sou
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import torch
+from haswell_build import CSRC, build_for_haswell
 from test_int4 import f32_kernel, random_q4
 
-from pagedllm.model import kernels
 from pagedllm.model.layers import Int4Weight
 
-CSRC = Path(kernels.__file__).parent / "csrc"
 BINDING = Path(__file__).parent / "int4_f32_binding.cpp"
 SOURCES = [BINDING, CSRC / "int4_linear_f32.cpp"]
 
 
 @pytest.fixture(scope="module")
 def haswell():
-    flags = kernels._cpu_flags().split()
-    if not {"avx2", "fma", "f16c"} <= set(flags):
-        pytest.skip("this CPU cannot run AVX2 code")
-    from torch.utils.cpp_extension import load
-
-    key = b"".join(p.read_bytes() for p in [*SOURCES, *CSRC.glob("*.h")]) + str(Path(torch.__file__)).encode()
-    try:
-        ext = load(name=f"pagedllm_int4_f32_haswell_{hashlib.sha256(key).hexdigest()[:12]}",
-                   sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=haswell", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
-    except Exception as exc:  # no compiler: the engine's own build would have failed too
-        pytest.skip(f"the haswell build failed: {exc}")
+    ext = build_for_haswell("int4_f32", SOURCES)
     assert ext.int4_linear_f32_supported()
     return ext
 

@@ -354,11 +354,11 @@ def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dty
     which stays within a few hundredths of the float product for well-spread values; the same from the int8_gemm
     kernel and from the torch._int_mm fallback, whether that runs over all output columns at once or a block of
     columns at a time."""
-    skip_unless_int8_exact()
     if path == "kernel":
         if not ext.int8_gemm_supported():
-            pytest.skip("no AVX512-VNNI on this CPU")
+            pytest.skip("no int8_gemm in this build")
     else:
+        skip_unless_int8_exact()
         monkeypatch.setattr(Int8Weight, "kernel_available", staticmethod(lambda ext, in_features: False))
         monkeypatch.setattr(layers, "INT8_COLUMN_BLOCK", {"one": 4096, "three": 16, "ragged": 20}[path.split("-")[2]])
     gen = torch.Generator().manual_seed(rows)
@@ -412,7 +412,7 @@ def test_int8_gemm_equals_the_exact_product(ext, rows: int, cols: int, inputs: i
     columns, the last panel's padding); its scaled output is the fp64 value of the same product rounded once to
     fp32 / bf16, the bits dequantize_int32 gives over those sums (the torch._int_mm path)."""
     if not ext.int8_gemm_supported():
-        pytest.skip("no AVX512-VNNI on this CPU")
+        pytest.skip("no int8_gemm in this build")
     q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), cols + inputs)
     w[0, :] = 127  # the extremes the u8 offset must carry: 255 * -127 per product
     q[0, :] = -127
@@ -446,7 +446,7 @@ def test_int8_gemm_adds_the_outlier_product_as_dequantize_int32_does(ext, rows: 
     one rounding into the output, channel after channel, so they give the same bits (every row block, the last
     panel's masked columns, bf16 or fp32 weights, a block of columns of a wider weight for dequantize_int32)."""
     if not ext.int8_gemm_supported():
-        pytest.skip("no AVX512-VNNI on this CPU")
+        pytest.skip("no int8_gemm in this build")
     cols, inputs, E = 100, 64, 3
     q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), 7)
     gen = torch.Generator().manual_seed(1)
@@ -478,7 +478,7 @@ def test_int8_gemm_adds_the_outlier_product_as_dequantize_int32_does(ext, rows: 
 def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
     """out may be a block of columns of a wider tensor: only that block is written."""
     if not ext.int8_gemm_supported():
-        pytest.skip("no AVX512-VNNI on this CPU")
+        pytest.skip("no int8_gemm in this build")
     q, w = random_int8((5, 64), 1), random_int8((100, 64), 2)
     wide = torch.full((5, 300), -1, dtype=torch.int32)
     ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, wide[:, 100:200])
@@ -488,7 +488,7 @@ def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
 
 def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
     if not ext.int8_gemm_supported():
-        pytest.skip("no AVX512-VNNI on this CPU")
+        pytest.skip("no int8_gemm in this build")
     q, packed = random_int8((3, 64), 1), Int8Weight.pack(random_int8((100, 64), 2))
     scales = torch.ones(3), torch.ones(100)
 
@@ -513,8 +513,9 @@ def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
 @pytest.mark.parametrize("inputs", [64, 30])
 def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
     """Int8Weight serves any [out, in]: the kernel for inputs in groups of 4 (any out: the last panel is padded),
-    torch._int_mm otherwise."""
-    skip_unless_int8_exact()
+    torch._int_mm otherwise (only where oneDNN's int8 products are exact)."""
+    if inputs % 4 or not ext.int8_gemm_supported():
+        skip_unless_int8_exact()
     w = torch.randn(70, inputs, generator=torch.Generator().manual_seed(3))
     weight = Int8Weight(w, ext)
     assert (weight.packed is not None) is (inputs % 4 == 0 and ext.int8_gemm_supported())
@@ -530,7 +531,8 @@ def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dty
     """With outliers=k, the k input channels largest in the call are multiplied in full precision and the rest in
     int8 with a per-row scale that no longer has to hold them: exactly that sum, and far closer to the float product
     than plain w8a8 when a few channels run 20x the others (as in the model's hidden state)."""
-    skip_unless_int8_exact()
+    if not ext.int8_gemm_supported():
+        skip_unless_int8_exact()
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(48, 64, generator=gen).to(dtype), torch.randn(7, 64, generator=gen)
     x[:, [3, 40]] *= 20

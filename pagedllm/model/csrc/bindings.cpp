@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(+ extra_x @ extra_w)", py::arg("acc"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
         py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
   m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) (+ extra_x @ "
-        "extra_w) for an int8 weight packed for VNNI (Int8Weight.pack); the raw int32 sums when out is int32",
+        "extra_w) for an int8 weight packed for it (Int8Weight.pack); the raw int32 sums when out is int32",
         py::arg("q"), py::arg("packed"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("out"),
         py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
   m.def("bf16_gemm", &bf16_gemm, "x @ W.T in bf16 for a weight packed in panels of 64 columns (Bf16Weight.pack)",

@@ -25,6 +25,9 @@
 // 64-256 rows on Zen 5, docs/scripts/gemm_kernels_speed.py). Threads claim runs of panels (and blocks of rows when M
 // is large) as they go (claimed_for.h): a panel is 36 KB at K = 576, so it stays in L1/L2 while every row of x passes
 // over it.
+//
+// Without VNNI (AVX2 and FMA: AMD EPYC before Zen 4, most desktop CPUs) int8_gemm_avx2.h's panel kernel reads the
+// same packed weight and gives the same sums and bits with vpmaddwd over int16 pairs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,11 +44,28 @@
 
 namespace {
 
-constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kRows = 6, kMaxBlockRows = 192, kMaxK = 66308;
+constexpr int64_t kTile = 16, kTiles = 4, kPanel = kTile * kTiles, kMaxBlockRows = 192, kMaxK = 66308;
 constexpr int64_t kClaimRun = 16;  // panels a thread claims at a time: 576 KB of the lm_head's at K = 576
 
+// What the epilogue needs besides the sums: where they go, how they scale, and the outlier channels' product.
+template <typename T, typename W = T>
+struct Epilogue {
+  const int32_t* xsum128;  // 128 * sum_k x[r, k] per row
+  const float* row_scale;  // [M], unused for int32 output
+  const float* col_scale;  // [N]
+  const T* bias;           // [N] or nullptr
+  T* out;
+  int64_t ldo, n;          // row stride of out, valid columns
+  const float* extra_x = nullptr;  // [M, E]: inputs kept out of the int8 product (Int8Weight's outlier channels)
+  const W* extra_w = nullptr;      // [E, N] (row stride ldw): their rows of the plain weight
+  int64_t E = 0, ldw = 0;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDLLM_INT8_GEMM 1
 constexpr bool kSupported = true;
+constexpr int64_t kRows = 6;  // rows per register block
+using XInt = int8_t;  // the activations as the panel kernel reads them
 
 // The scaled-back output of one 16-column tile of one row: float -> T, masked to the tile's valid columns.
 inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
@@ -73,20 +93,6 @@ inline __m512 load(const at::BFloat16* p, __mmask16 mask) {
 inline void dpbusd(__m512i& acc, __m512i w, __m512i x4) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x4));
 }
-
-// What the epilogue needs besides the sums: where they go, how they scale, and the outlier channels' product.
-template <typename T, typename W = T>
-struct Epilogue {
-  const int32_t* xsum128;  // 128 * sum_k x[r, k] per row
-  const float* row_scale;  // [M], unused for int32 output
-  const float* col_scale;  // [N]
-  const T* bias;           // [N] or nullptr
-  T* out;
-  int64_t ldo, n;          // row stride of out, valid columns
-  const float* extra_x = nullptr;  // [M, E]: inputs kept out of the int8 product (Int8Weight's outlier channels)
-  const W* extra_w = nullptr;      // [E, N] (row stride ldw): their rows of the plain weight
-  int64_t E = 0, ldw = 0;
-};
 
 // R rows of x (row stride ldx) against one panel (G k-groups): sums in registers over all of K, then the epilogue
 // for columns [col0, col0 + 64) of those rows.
@@ -163,9 +169,20 @@ inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_INT8_GEMM 1
+constexpr bool kSupported = true;
+constexpr int64_t kRows = 4;
+using XInt = int16_t;
+#include "int8_gemm_avx2.h"  // panel_rows on 8-column slices, exact int32 sums by vpmaddwd
+#else
+constexpr bool kSupported = false;
+#endif
+
+#if defined(PAGEDLLM_INT8_GEMM)
 // The last n < kRows rows of a block.
 template <int R, typename T, typename W>
-inline void panel_tail(int64_t n, const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0,
+inline void panel_tail(int64_t n, const uint8_t* panel, const XInt* x, int64_t ldx, int64_t G, int64_t row0,
                        int64_t col0, const Epilogue<T, W>& e) {
   if constexpr (R >= 1) {
     if (n == R) return panel_rows<R>(panel, x, ldx, G, row0, col0, e);
@@ -174,7 +191,7 @@ inline void panel_tail(int64_t n, const uint8_t* panel, const int8_t* x, int64_t
 }
 
 template <typename T, typename W>
-void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T, W>& e) {
+void gemm(const XInt* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T, W>& e) {
   const int64_t G = K / 4;
   // Blocks of rows when M is large (x's block stays in L2 while the panels pass; each block reads the weights once
   // more, ~1 ms against ~20 ms of arithmetic), and also when there are too few panels to share among the threads.
@@ -193,8 +210,6 @@ void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t 
     if (r < r1) panel_tail<kRows - 1>(r1 - r, panel, x + r * K, K, G, r, p * kPanel, e);
   });
 }
-#else
-constexpr bool kSupported = false;
 #endif
 
 }  // namespace
@@ -204,7 +219,7 @@ bool int8_gemm_supported() { return kSupported; }
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
                const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w) {
-  TORCH_CHECK(kSupported, "int8_gemm needs AVX512-VNNI (this build has no such instructions)");
+  TORCH_CHECK(kSupported, "int8_gemm needs AVX512-VNNI, or AVX2 and FMA (this build has neither)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "q must be a contiguous int8 CPU matrix [M, K]");
   const int64_t M = q.size(0), K = q.size(1);
@@ -235,16 +250,20 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
                 "bias must be [N] of out's dtype");
   }
   if (M == 0 || N == 0) return;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  const int8_t* xp = q.data_ptr<int8_t>();
+#if defined(PAGEDLLM_INT8_GEMM)
+  const int8_t* q8 = q.data_ptr<int8_t>();
   std::vector<int32_t> xsum128(M);
+  // the AVX2 kernel reads the activations as int16 (vpmaddwd's operand), widened here once a call
+  std::vector<XInt> widened(std::is_same_v<XInt, int8_t> ? 0 : M * K);  // empty: the kernel reads q itself
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += xp[r * K + k];
+      for (int64_t k = 0; k < K; ++k) s += q8[r * K + k];
       xsum128[r] = 128 * s;
+      if constexpr (!std::is_same_v<XInt, int8_t>) std::copy(q8 + r * K, q8 + (r + 1) * K, widened.data() + r * K);
     }
   });
+  const XInt* xp = widened.empty() ? reinterpret_cast<const XInt*>(q8) : widened.data();
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   if (dtype == at::kInt) {
     gemm<int32_t, int32_t>(xp, M, K, pk, P,
