@@ -130,7 +130,7 @@ class Int8Weight:
         if self.packed is None or (int_mm and kernels.int8_products_exact()):
             if not kernels.int8_products_exact():
                 raise ValueError("no exact int8 product for this weight here: oneDNN's int8 sums saturate without "
-                                 f"VNNI, and int8_gemm takes inputs in groups of 4 ({q.shape[1]})")
+                                 f"VNNI, and int8_gemm (kernel={kernel}) takes inputs in groups of 4 ({q.shape[1]})")
             self.q_t = q.t()
         self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
 
