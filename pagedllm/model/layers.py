@@ -127,10 +127,11 @@ class Int8Weight:
         self.q_t: torch.Tensor | None = None  # [in, out] view, for torch._int_mm
         if kernel and self.kernel_available(ext, q.shape[1]):
             self.packed = self.pack(q)
-        if self.packed is None or (int_mm and kernels.int8_products_exact()):
-            if not kernels.int8_products_exact():
-                raise ValueError("no exact int8 product for this weight here: oneDNN's int8 sums saturate without "
-                                 f"VNNI, and int8_gemm (kernel={kernel}) takes inputs in groups of 4 ({q.shape[1]})")
+        exact = kernels.int8_products_exact()  # oneDNN's: without VNNI its sums saturate
+        if self.packed is None and not exact:
+            raise ValueError("no exact int8 product for this weight here: oneDNN's int8 sums saturate without "
+                             f"VNNI, and int8_gemm (kernel={kernel}) takes inputs in groups of 4 ({q.shape[1]})")
+        if self.packed is None or (int_mm and exact):
             self.q_t = q.t()
         self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
 

@@ -1,8 +1,8 @@
 """int8_gemm built for CPUs without VNNI (`-march=haswell`: AVX2, FMA; csrc/int8_gemm_avx2.h) gives the exact int32
 sums, and from them the same output bits as dequantize_int32 over those sums and as this machine's build (the VNNI
-kernel's epilogue, operation for operation): every
-register block of rows, the last panel's partial slices, bias, outlier channels, fp32 and bf16 output. CI runs on
-whichever CPU kind it gets, so the AVX2 code is built and run here too (~15 s to compile, once per source change)."""
+kernel's epilogue, operation for operation): every register block of rows, the last panel's partial slices, bias,
+outlier channels, fp32 and bf16 output. CI runs on whichever CPU kind it gets, so the AVX2 code is built and run here
+too (~15 s to compile, once per source change)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 // included there inside its anonymous namespace. vpmaddubsw, the u8 x s8 product AVX2 has, pairs two products into
 // a saturating int16 (255 * 127 * 2 does not fit: oneDNN's int8 matmul is wrong here for that reason); vpmaddwd
 // multiplies int16 pairs into an exact int32. So the packed weight's bytes (w + 128, the same layout as the VNNI
-// kernel's) are widened to int16 as they are loaded, the activations are widened once per call (x16), and each
+// kernel's) are widened to int16 as they are loaded, the activations once per call (int8_gemm's `widened`), and each
 // vpmaddwd adds two products into an int32 lane: the same exact sums as vpdpbusd, so the same bits out.
 //
 // A 64-byte group of a tile holds 16 columns x 4 inputs (byte 4j + b: column j, input b). Its half for 8 columns,
@@ -45,7 +45,7 @@ inline void store8(int32_t* out, __m256i v, int valid) {
   else _mm256_maskstore_epi32(out, valid_lanes(valid), v);
 }
 
-// R rows of x16 (int16, row stride ldx) against one panel (G groups of 4 inputs), slice by slice: sums over all of
+// R rows of x, widened to int16 (row stride ldx), against one panel (G groups of 4 inputs), slice by slice: sums over all of
 // K in registers, then the epilogue for the slice's columns of those rows.
 template <int R, typename T, typename W>
 inline void panel_rows(const uint8_t* panel, const int16_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
