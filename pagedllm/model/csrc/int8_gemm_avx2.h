@@ -45,8 +45,8 @@ inline void store8(int32_t* out, __m256i v, int valid) {
   else _mm256_maskstore_epi32(out, valid_lanes(valid), v);
 }
 
-// R rows of x, widened to int16 (row stride ldx), against one panel (G groups of 4 inputs), slice by slice: sums over all of
-// K in registers, then the epilogue for the slice's columns of those rows.
+// R rows of x, widened to int16 (row stride ldx), against one panel (G groups of 4 inputs), slice by slice: sums
+// over all of K in registers, then the epilogue for the slice's columns of those rows.
 template <int R, typename T, typename W>
 inline void panel_rows(const uint8_t* panel, const int16_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
                        const Epilogue<T, W>& e) {
