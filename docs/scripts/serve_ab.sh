@@ -8,6 +8,7 @@
 #   ImportError hides those two from uvicorn, which then runs asyncio's loop and h11 (the state before cdd396b).
 #   DELAY=S waits S seconds after /health before the benchmark (default 0).
 set -euo pipefail
+export PYTHONSAFEPATH=1  # `python -m` run from a source tree would otherwise import that tree before PYTHONPATH's
 workload=$1 rounds=$2 concurrency=$3
 shift 3
 python=${PYTHON:-python}

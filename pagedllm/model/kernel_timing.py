@@ -12,7 +12,8 @@ import torch
 
 from pagedllm.model.layers import PackedWeight
 
-PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm")  # int8: csrc/int8_gemm.cpp (VNNI); int8_mm: oneDNN's
+# int8: csrc/int8_gemm.cpp (VNNI or AVX2); int8_mm: oneDNN's; bf16_plain: torch's bf16 matmul where oneDNN has none
+PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm", "bf16_plain")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
@@ -24,6 +25,10 @@ SAMPLES = 3  # timed calls per path and row count, interleaved across paths, aft
 COLD_MAX_ROWS = 256
 COLD_WEIGHTS = 8
 PRUNE = 2.0  # a path this much slower than oneDNN, and falling further behind, is not timed at bigger row counts
+# Paths timed only up to a row count: torch's bf16 matmul where oneDNN has none (emulated, on AVX2) wins at 1-2 rows
+# by reading half the bytes, is 6x behind at 64, and its 0.1-1.4 s calls at the biggest spent a first start's budget
+# (AMD EPYC Zen 3, docs/performance.md).
+MAX_ROWS = {"bf16_plain": 64}
 BUDGET_S = 2.5  # the first start's measuring stops here, the biggest row count's once-over (ANCHOR_SAMPLES) included
 ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
 
@@ -117,8 +122,10 @@ def nearest_below(times: PathTimes, i: int) -> int | None:
 
 
 def compared(times: PathTimes, i: int) -> list[str]:
-    """The paths still timed at row count i: all but those that fell behind oneDNN at a smaller one."""
-    return [p for p in times if not any(falling_behind(times, p, j) for j in range(i))]
+    """The paths still timed at row count i (BUCKETS[i] rows: the lm_head's are their prefix): all but those past
+    their MAX_ROWS or that fell behind oneDNN at a smaller one."""
+    return [p for p in times if BUCKETS[i] <= MAX_ROWS.get(p, math.inf)
+            and not any(falling_behind(times, p, j) for j in range(i))]
 
 
 def projected(weights: list[PackedWeight], rows: list[int], i: int, paths: list[str], times: PathTimes,

@@ -34,6 +34,17 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], tor
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
+def assert_greedy_of(model, prompt: list[int], ours: list[int], max_tokens: int) -> None:
+    """`ours` is `model`'s greedy continuation of `prompt`, checked in one teacher-forced pass instead of a generate
+    call per token (6-20x faster on a real model): at each position ours must be the argmax of the model's logits
+    given the prompt and ours before it, which is what greedy generation picks, up to a genuine tie, where the check
+    ends as in assert_matches_reference."""
+    assert len(ours) == max_tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:].float()
+    assert_matches_reference(ours, logits.argmax(-1).tolist(), logits)
+
+
 def assert_matches_reference(ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> None:
     """Equal token for token; at a genuine tie (top two reference logits within 1e-3) either token is accepted,
     and the comparison ends there, since the continuations legitimately diverge."""

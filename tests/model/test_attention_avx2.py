@@ -1,7 +1,7 @@
 """The paged attention kernel built for CPUs without AVX-512 (`-march=haswell`: AVX2, FMA, F16C; its AVX2 paths:
 csrc/attention_avx2.h and attend_tile.h's 8-float micro-kernel and softmax) equals the reference, through the row
 kernel and the tiled one, over fp32 and bf16 caches. CI runs on whichever CPU kind it gets, so the AVX2 code is built
-and run here too (~30 s to compile, once per source change)."""
+and run here too (haswell_build.py)."""
 
 from __future__ import annotations
 

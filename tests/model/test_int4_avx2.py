@@ -1,6 +1,6 @@
 """The fp32 4-bit kernel built for CPUs without AVX-512 (`-march=haswell`: AVX2, FMA, F16C; csrc/int4_f32_avx2.h)
 gives the same sums, bit for bit, as this machine's build, through both schedules. CI runs on whichever CPU kind it
-gets, so the AVX2 code is built and run here too (~15 s to compile, once per source change)."""
+gets, so the AVX2 code is built and run here too (haswell_build.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 sums, and from them the same output bits as dequantize_int32 over those sums and as this machine's build (the VNNI
 kernel's epilogue, operation for operation): every register block of rows, the last panel's partial slices, bias,
 outlier channels, fp32 and bf16 output. CI runs on whichever CPU kind it gets, so the AVX2 code is built and run here
-too (~15 s to compile, once per source change)."""
+too (haswell_build.py)."""
 
 from __future__ import annotations
 
