@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.model import machine_cache
-from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
+from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight, PackedWeight
 
 ASSUMED_MEM_GBPS = 20.0  # bench latency's bandwidth beside a --peak-gflops given by hand (nothing measured then)
 MACHINE_CACHE = "roofline"  # the cache file's prefix, beside dispatch's "kernels"
@@ -44,16 +44,17 @@ def call_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
 
 def measure_machine(size: int = 2048, copy_bytes: int = 512 << 20, repeats: int = 3,
                     dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> dict[str, float]:
-    """Best-of-`repeats` GFLOP/s of a size^3 matmul in each of `dtypes`, and GB/s of a large tensor copy
-    (read + write), with torch's current threads."""
+    """Best-of-`repeats` GFLOP/s of a size^3 matmul in each of `dtypes` as the engine runs it (oneDNN's packed
+    matmul: bf16 widened to fp32 where the CPU has no bf16 arithmetic, not torch's emulated 0.3 GFLOP/s on Zen 3), and
+    GB/s of a large tensor copy (read + write), with torch's current threads."""
     def best(fn: Callable[[], object]) -> float:
         return min(call_times(fn, repeats))
 
     result = {}
     for name in dtypes:
         dtype = getattr(torch, name)
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        result[f"{name}_gflops"] = round(2 * size ** 3 / best(lambda a=a, b=b: a @ b) / 1e9, 1)
+        a, b = torch.randn(size, size).to(dtype), PackedWeight(torch.randn(size, size).to(dtype))
+        result[f"{name}_gflops"] = round(2 * size ** 3 / best(lambda a=a, b=b: b.mm(a, path="onednn")) / 1e9, 1)
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     result["copy_gbps"] = round(2 * copy_bytes / best(lambda: dst.copy_(src)) / 1e9, 1)
@@ -64,12 +65,17 @@ def measure_peak(dtype_name: str) -> dict[str, float]:
     return measure_machine(dtypes=(dtype_name,))
 
 
+def cache_key(dtype_name: str) -> dict[str, str]:
+    """What a cached measurement must match ("matmul": timed on oneDNN's packed matmul, not torch's)."""
+    return {**machine_cache.machine_key(), "measure": "roofline", "dtype": dtype_name, "matmul": "packed"}
+
+
 def local_machine(dtype_name: str, refresh: bool = False, measure: Measure | None = None) -> Machine:
     """This machine's peak matmul rate in `dtype_name` and copy bandwidth: cached for its CPU model, ISA flags,
     threads and torch, else measured here (about a second in fp32) and cached unless other processes took a quarter
     of a core or more meanwhile (machine_cache's rule, the kernel table's too: such a figure is a time slice's, not the
     machine's)."""
-    key = {**machine_cache.machine_key(), "measure": "roofline", "dtype": dtype_name}
+    key = cache_key(dtype_name)
     file = machine_cache.cache_file(key, MACHINE_CACHE)
     cached = None if refresh else machine_cache.load_json(file, key)
     if cached is not None and isinstance(cached.get("measured"), dict):

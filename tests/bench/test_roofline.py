@@ -68,8 +68,7 @@ def test_a_busy_measurement_is_used_but_not_cached(monkeypatch):
 
 def test_a_foreign_or_broken_cache_file_is_measured_again(quiet):
     measure = FakeMeasure()
-    key = {**machine_cache.machine_key(), "measure": "roofline", "dtype": "float32"}
-    file = machine_cache.cache_file(key, roofline.MACHINE_CACHE)
+    file = machine_cache.cache_file(roofline.cache_key("float32"), roofline.MACHINE_CACHE)
     file.parent.mkdir(parents=True, exist_ok=True)
     for text in ("not json", '{"key": {"cpu": "other"}, "measured": {"float32_gflops": 1, "copy_gbps": 1}}'):
         file.write_text(text)

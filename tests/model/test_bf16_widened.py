@@ -43,7 +43,7 @@ def test_routes_keep_only_the_forms_they_use(without_native_bf16) -> None:
     x, w, b = bf16_case(4)
     weight = PackedWeight(w)
     assert weight.route[-1][1] == "onednn"  # the static route: no hand-set cut-off for torch's bf16 matmul
-    weight.route = ((2, "bf16_plain"), (1 << 62, "onednn"))
+    weight.route = ((2, "bf16_plain"), (BIGGEST, "onednn"))
     assert torch.equal(linear(x[:2], weight, b), F.linear(x[:2], w, b))
     weight.keep_only(frozenset({"onednn"}))
     assert weight.plain is None and weight.paths() == frozenset({"onednn"})

@@ -20,7 +20,7 @@ STEPS = 6
 def int4_kernel_runs() -> bool:
     """The 4-bit kernel computes in bf16 with AVX512-BF16; a CPU without it (or a native bf16 matmul) has none."""
     ext = kernels.load()
-    return PackedWeight.available(torch.bfloat16) and ext is not None and ext.int4_linear_supported()
+    return PackedWeight.native(torch.bfloat16) and ext is not None and ext.int4_linear_supported()
 
 
 def teacher_forced_logprobs(model, prompt: list[int], completion) -> torch.Tensor:

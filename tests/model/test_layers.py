@@ -246,7 +246,7 @@ def test_int4_bad_input_is_an_error_not_a_crash(ext) -> None:
 def test_linear_takes_int4_for_small_batches_only(ext) -> None:
     """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS_WITHOUT_BF16_GEMM rows when it has no bf16_gemm
     form, and oneDNN's bf16 matmul beyond: give the two different weights and see which one answered."""
-    if not (PackedWeight.available(torch.bfloat16) and ext.int4_linear_supported()):
+    if not (PackedWeight.native(torch.bfloat16) and ext.int4_linear_supported()):
         pytest.skip("no native bf16 matmul on this CPU")
     int4_rows = INT4_MAX_ROWS_WITHOUT_BF16_GEMM
     q, scale, min_ = random_int4(64, 128, 0)
@@ -311,7 +311,7 @@ def test_bf16_gemm_available(ext, shape: tuple[int, int], dtype: torch.dtype, ok
 def test_linear_takes_int4_then_the_bf16_kernel_then_onednn(ext) -> None:
     """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows, its bf16_gemm form up to
     BF16_GEMM_MAX_ROWS and oneDNN's matmul beyond: give three different weights and see which one answered."""
-    if not (PackedWeight.available(torch.bfloat16) and ext.int4_linear_supported() and ext.bf16_gemm_supported()):
+    if not (PackedWeight.native(torch.bfloat16) and ext.int4_linear_supported() and ext.bf16_gemm_supported()):
         pytest.skip("no native bf16 matmul on this CPU")
     g = torch.Generator().manual_seed(3)
     q, scale, min_ = random_int4(64, 128, 0)
