@@ -250,7 +250,8 @@ class PackedWeight:
     """A linear layer's weight [out, in] packed once into oneDNN's blocked layout, with the other forms it may run
     as: the checkpoint's 4-bit form (Int4Weight), int8 (Int8Weight) and bf16_gemm's (Bf16Weight). F.linear on a plain
     weight repacks it on every call: measured here, packing once makes the decode step's matmuls 1.1-2x faster
-    (most at batch 1). Only the packed copy is kept; a caller that needs the rows keeps the plain tensor itself.
+    (most at batch 1). Only the packed copy is kept (widened, also the plain bf16 rows until the route drops them);
+    a caller that needs the rows keeps the plain tensor itself.
     `route` says which form serves a batch of a given number of rows: measured on this machine (model/dispatch.py)
     once the engine sets it, else static_route's hand-tuned cut-offs. `pad_rows`: oneDNN runs on padded_rows rows.
     A bf16 weight on a CPU without native bf16 matmuls is packed `widened` to fp32 (see onednn_mm)."""
