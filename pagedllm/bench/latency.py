@@ -166,7 +166,7 @@ def sized_engine(base: Any, case: LatencyCase, user_sized: bool) -> Any:
 
 def cmd_latency(args: argparse.Namespace) -> int:
     from pagedllm.config import EngineConfig
-    from pagedllm.model.loader import load_model
+    from pagedllm.model.loader import load_config
     from pagedllm.model.model_runner import kv_bytes_per_block
 
     batches, ctxs, steps = latency_sizes(args)
@@ -176,7 +176,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     base = EngineConfig.from_cli_args(args)
     dtype = getattr(torch, base.torch_dtype_name)
     torch.set_num_threads(base.num_threads)
-    config = load_model(base.model, dtype).config  # the shape, to size each run's KV cache before its engine
+    config = load_config(base.model)  # the shape, to size each run's KV cache before its engine
     machine = machine_for(args, base.torch_dtype_name)
     print(f"Machine: {machine.peak_gflops:.0f} GFLOP/s matmul, {machine.mem_gbps:.0f} GB/s copy ({machine.source})")
     max_model_len = min(config.max_position_embeddings, base.max_model_len or config.max_position_embeddings)

@@ -69,9 +69,9 @@ def tokens_per_s(result: dict) -> float:
 def save_adapters(args: argparse.Namespace) -> int:
     """`--save-adapters DIR`: the random adapters the mixed run would use, as DIR/lora0 ..., for another server (a
     side by side with vLLM's) to serve; nothing is run. Only the model's config is needed, read from its file."""
-    from pagedllm.model.loader import load_model
+    from pagedllm.model.loader import load_config
 
-    model_config = load_model(args.model).config
+    model_config = load_config(args.model)
     targets = tuple(args.targets.split(","))
     for i in range(args.num_adapters):
         print(write_random_adapter(os.path.join(args.save_adapters, f"lora{i}"), model_config, args.rank, targets,

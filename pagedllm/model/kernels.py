@@ -40,11 +40,27 @@ def load() -> ModuleType | None:
                 key += repr(_CFLAGS).encode() + _cpu_flags().encode()
                 key += str(_CSRC.resolve()).encode() + str(Path(torch.__file__).resolve().parent).encode()
                 digest = hashlib.sha256(key).hexdigest()[:16]
-                _ext = load_extension(name=f"pagedllm_kernels_{digest}", sources=[str(p) for p in _SOURCES],
-                                      extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
+                path = os.environ.get("PATH", "")
+                os.environ["PATH"] = ninja_first(path)
+                try:
+                    _ext = load_extension(name=f"pagedllm_kernels_{digest}", sources=[str(p) for p in _SOURCES],
+                                          extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
+                finally:
+                    os.environ["PATH"] = path
             except Exception as exc:  # no compiler, no ninja, bad flags: the torch paths still work
                 _ext_error = f"{type(exc).__name__}: {exc}"
     return _ext
+
+
+def ninja_first(path: str) -> str:
+    """PATH with the ninja installed beside pagedllm (a dependency) first, as torch finds ninja on PATH: a build's log
+    is in its ninja version's format, so a process that found another one (the system's, where the venv is not
+    activated) rebuilt every kernel (~2 min on 2 cores), and one that found none built nothing."""
+    try:
+        import ninja
+    except ImportError:
+        return path
+    return os.pathsep.join(d for d in (ninja.BIN_DIR, path) if d)
 
 
 def build_error() -> str | None:

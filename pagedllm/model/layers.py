@@ -259,7 +259,7 @@ class PackedWeight:
     def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
                  bf16: Bf16Weight | None = None) -> None:
         self.pad_rows = False  # set by model/dispatch.py under PAGEDLLM_PAD_ROWS=1
-        self.widened = plain.dtype == torch.bfloat16 and not self.native(torch.bfloat16)
+        self.widened = self.widens(plain.dtype)
         packed = plain.float() if self.widened else plain
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(packed)
         # beside a widened copy, torch's own bf16 matmul on the plain rows: half the bytes, faster at 1-2 rows
@@ -281,6 +281,11 @@ class PackedWeight:
         if not torch.backends.mkldnn.is_available():
             return False
         return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    @classmethod
+    def widens(cls, dtype: torch.dtype) -> bool:
+        """A weight of this dtype is packed widened to fp32 (bf16 where oneDNN has no native bf16 matmul)."""
+        return dtype == torch.bfloat16 and not cls.native(torch.bfloat16)
 
     def static_route(self) -> Route:
         return static_route(self.paths(), fp32=self.int4 is not None and self.int4.dtype == torch.float32)

@@ -68,8 +68,32 @@ class DecoderLayer:
     down_weight: Weight
 
 
+class Consumed:
+    """The loader's weights, taken one by one in the model's dtype: each leaves the dict (and, its last holder gone,
+    memory) as its layer is built, so a checkpoint's plain weights and their packed forms are never all held at once."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.dtype = dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def pop(self, name: str) -> torch.Tensor:
+        """For a weight built into other forms: it may still share the loader's memory."""
+        return self.weights.pop(name).to(self.dtype).contiguous()
+
+    def keep(self, name: str) -> torch.Tensor:
+        """For a tensor the model holds: in its own memory, since one read from a mapped file (safetensors) keeps the
+        whole mapping, with every page the build read, resident for as long as it lives."""
+        stored = self.weights.pop(name)
+        tensor = stored.to(self.dtype).contiguous()
+        return tensor.clone() if tensor.data_ptr() == stored.data_ptr() else tensor
+
+
 class LlamaModel:
-    """Weights held as plain tensors; forward is a function of the batch and the KV cache, nothing else."""
+    """Weights held as plain tensors; forward is a function of the batch and the KV cache, nothing else. Takes the
+    loader's `weights` and `q4_weights` dicts: they are emptied as the layers are built (`Consumed`)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
@@ -81,17 +105,17 @@ class LlamaModel:
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        w = {name: t.to(dtype).contiguous() for name, t in weights.items()}
+        w = Consumed(weights, dtype)
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
         # The C++ kernels (fused norm/rotary/SwiGLU, int4 matmul), except on the reference path (the torch oracle).
         self.ext = kernels.load() if attention_backend != "reference" else None
         # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
         self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = w.get("lm_head.weight", self.embed)
+        self.embed = w.keep("model.embed_tokens.weight")
+        self.lm_head = w.keep("lm_head.weight") if "lm_head.weight" in w else self.embed
         self.lm_head_weight = self._packed(self.lm_head, "lm_head") if self.pack else self.lm_head
-        self.norm = w["model.norm.weight"]
-        q4 = q4_weights or {}  # a GGUF file's 4-bit weights, packed below for small batches (not kept as they are)
+        self.norm = w.keep("model.norm.weight")
+        q4 = q4_weights if q4_weights is not None else {}  # a GGUF file's 4-bit weights, consumed as `weights`
         self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
@@ -104,28 +128,30 @@ class LlamaModel:
         self.ops = ForwardOps(t("linear", linear), t("rotary", self.rotary), t("kv_write", write_kv),
                               t("attention", paged_attention), t("norm", add_rms_norm), t("activation", swiglu))
 
-    def _layer(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
+    def _layer(self, w: Consumed, q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         return DecoderLayer(
-            input_norm=w[p + "input_layernorm.weight"],
+            input_norm=w.keep(p + "input_layernorm.weight"),
             qkv_weight=self._weight(w, q4, [n + ".weight" for n in qkv], "qkv"),
-            qkv_bias=torch.cat([w[n + ".bias"] for n in qkv]) if self.config.attention_bias else None,
+            qkv_bias=torch.cat([w.pop(n + ".bias") for n in qkv]) if self.config.attention_bias else None,
             o_weight=self._weight(w, q4, [p + "self_attn.o_proj.weight"], "o"),
-            post_norm=w[p + "post_attention_layernorm.weight"],
+            post_norm=w.keep(p + "post_attention_layernorm.weight"),
             gate_up_weight=self._weight(w, q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "gate_up"),
             down_weight=self._weight(w, q4, [p + "mlp.down_proj.weight"], "down"),
         )
 
-    def _weight(self, w: dict[str, torch.Tensor], q4: dict[str, Q4Weight], names: list[str], kind: str) -> Weight:
+    def _weight(self, w: Consumed, q4: dict[str, Q4Weight], names: list[str], kind: str) -> Weight:
         """The named weights stacked by rows into one matmul: packed for oneDNN, with their 4-bit form when the
         checkpoint has one for each; plain torch on the reference path."""
-        plain = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]].contiguous()
+        kept = not self.pack or PackedWeight.widens(self.dtype)  # the plain rows are what the model holds
+        plain = torch.cat([w.pop(n) for n in names]) if len(names) > 1 else (w.keep if kept else w.pop)(names[0])
+        stored = [q4.pop(n) for n in names if n in q4]
         if not self.pack:
             return plain
-        if not all(n in q4 for n in names):
+        if len(stored) < len(names):
             return self._packed(plain, kind)
-        q, scale, min_ = (torch.cat([getattr(q4[n], f) for n in names]) for f in ("q", "scale", "min"))
+        q, scale, min_ = (torch.cat([getattr(s, f) for s in stored]) for f in ("q", "scale", "min"))
         available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
         return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext, self.dtype) if available else None)
 

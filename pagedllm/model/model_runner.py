@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
-from pagedllm.model import attention_dispatch, dispatch, kernels
+from pagedllm.model import attention_dispatch, dispatch, heap, kernels
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
@@ -127,6 +127,7 @@ class ModelRunner:
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(
                 AttentionShape.of(loaded.config, dtype, kv_dtype, config.block_size))
+        heap.trim()  # the loader's plain weights and the forms no route takes: freed, and now out of the RSS
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,

