@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -76,8 +77,9 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.structured)
-        self.isolation = StepIsolation(lambda plan: self._run(plan, whole_step=False), self._fail_request,
-                                       self.block_manager.check)
+        own = weakref.proxy(self)  # callbacks that kept the engine alive (a cycle) held its model until gc ran
+        self.isolation = StepIsolation(lambda plan: own._run(plan, whole_step=False),
+                                       lambda group, error: own._fail_request(group, error), self.block_manager.check)
         self.timer: PartTimer = NO_TIMER  # a StepTimers inside step_timers()
         self.observers: list[StepObserver] = []
         self.failed: dict[str, BaseException] = {}  # requests a step failed on, until pop_failed_requests()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Collection, Hashable
 from itertools import chain
 
@@ -82,7 +83,8 @@ class ModelRunner:
         self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
         if model.lora is not None:
             model.lora.bind(self.kv_caches)  # resident adapters' weights are written into blocks of this pool
-        self.adapters = AdapterStore(self.read_adapter)  # every registered LoRA adapter's folder and CPU copy
+        own = weakref.proxy(self)  # a bound method here was a cycle: the runner, its model and KV pool lived until gc
+        self.adapters = AdapterStore(lambda path: own.read_adapter(path))  # each LoRA adapter's folder and CPU copy
         self.adapter_slots: dict[int, int] = {}  # resident adapter -> its slot in model.lora
 
     def set_timer(self, timer: PartTimer) -> None:

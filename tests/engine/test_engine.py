@@ -344,3 +344,23 @@ def test_max_model_len_that_does_not_fit_is_refused(tiny_model_dir):
 def test_fp8_kv_cache_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="fp8 is not supported.*accuracy gate"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_a_dropped_llm_frees_its_model_and_pool_at_once(tiny_model_dir):
+    """Dropping an LLM frees its engine, model and KV pool right away, not at the garbage collector's next full pass
+    (callbacks bound to the engine and the runner made cycles: a script that built one engine after another held
+    two models and pools at once)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=32)
+        llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+        runner = llm.engine.runner
+        held = [weakref.ref(x) for x in (llm.engine, runner, runner.model, runner.kv_caches[0][0])]
+        del llm, runner
+        assert [ref() is None for ref in held] == [True] * 4
+    finally:
+        gc.enable()
