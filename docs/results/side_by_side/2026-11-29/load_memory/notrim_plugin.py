@@ -1,0 +1,4 @@
+"""pytest plugin: the engine's heap trim turned off (a probe)."""
+from pagedllm.model import heap
+
+heap.trim = lambda: False
