@@ -2,7 +2,8 @@
 
 glibc keeps much of what a process frees in its heap for later allocations, so the loader's plain weights and the
 forms the measured dispatch dropped stayed in the engine's RSS after its start (a model of Llama-3.2-1B's shapes from
-a Q4_1 GGUF: 5.4 GB after its first request, 4.4 GB once trimmed; docs/performance.md, memory at load).
+a Q4_1 GGUF: 5.5 GB after its first request, 4.4 GB once trimmed, AMD EPYC Zen 3; docs/performance.md,
+memory at load).
 """
 
 from __future__ import annotations

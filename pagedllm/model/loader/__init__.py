@@ -14,7 +14,7 @@ import os
 import torch
 
 from pagedllm.model.loader.common import LoadedModel, ModelConfig, Q4Weight, check_weights, expected_shapes
-from pagedllm.model.loader.gguf import GGUFTensor, config_from_gguf, load_gguf, permute_rows, read_gguf
+from pagedllm.model.loader.gguf import GGUFTensor, gguf_config, load_gguf, permute_rows, read_gguf
 from pagedllm.model.loader.hf import hf_folder_config, load_hf_folder
 from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
 from pagedllm.model.tokenizer import Tokenizer
@@ -55,10 +55,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_4bit:
 def load_config(model: str | None) -> ModelConfig:
     """Only the config of a model folder or .gguf file, no weight read: what sizing a KV cache needs."""
     path, is_folder = checkpoint_path(model, "load")
-    if is_folder:
-        return hf_folder_config(path)[0]
-    metadata, tensors = read_gguf(path)
-    return config_from_gguf(metadata, tensors, Tokenizer.from_gguf_metadata(metadata), path)
+    return hf_folder_config(path)[0] if is_folder else gguf_config(path)[0]
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:

@@ -169,9 +169,7 @@ def tensor_view(buf: mmap.mmap, info: TensorInfo, data_start: int, path: str) ->
 def load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedModel:
     """Config, weights in `dtype` (HF names, HF row order) and tokenizer of a GGUF file; with keep_4bit, its
     Q4_0 / Q4_1 matrices also as stored."""
-    metadata, tensors = read_gguf(path)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    config = config_from_gguf(metadata, tensors, tokenizer, path)
+    config, tokenizer, tensors = gguf_config(path)
     weights, q4_weights = {}, {}
     for gguf_name, tensor in tensors.items():
         name = hf_name(gguf_name)
@@ -184,6 +182,13 @@ def load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedM
     weights = check_weights(weights, config, path)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, weights, tokenizer, name, q4_weights)
+
+
+def gguf_config(path: str) -> tuple[ModelConfig, Tokenizer, dict[str, GGUFTensor]]:
+    """A file's config, tokenizer and tensor views (the file mapped, no tensor read)."""
+    metadata, tensors = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    return config_from_gguf(metadata, tensors, tokenizer, path), tokenizer, tensors
 
 
 def dequantize(tensor: GGUFTensor, heads: int, path: str) -> np.ndarray:
