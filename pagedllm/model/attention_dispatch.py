@@ -81,7 +81,7 @@ class AttentionShape:
         return self.heads // self.kv_heads
 
     def key(self) -> dict[str, str]:
-        return {**machine_cache.machine_key(), "attention": ATTENTION_VERSION,
+        return {**machine_cache.machine_key(), "attention": ATTENTION_VERSION, "build": kernels.source_digest(),
                 "heads": f"{self.heads}/{self.kv_heads}x{self.head_dim}", "block_size": str(self.block_size),
                 "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.model import kernel_timing, machine_cache
+from pagedllm.model import kernel_timing, kernels, machine_cache
 from pagedllm.model.kernel_timing import PATHS, Timer, time_call
 from pagedllm.model.layers import BIGGEST, PackedWeight, Route, padded_rows
 
@@ -140,10 +140,11 @@ def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
 
 
 def prebuild_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, str]:
-    """The part of a table's key known before the model is built: the machine, the kernels' version, the model, its
-    dtype and `variant` (the engine flags that choose its weights' forms)."""
-    return {**machine_cache.machine_key(), "kernels": KERNELS_VERSION, "model": model_name,
-            "dtype": str(dtype).removeprefix("torch."), "variant": variant, "buckets": repr(kernel_timing.BUCKETS)}
+    """The part of a table's key known before the model is built: the machine, the kernels' version and sources, the
+    model, its dtype and `variant` (the engine flags that choose its weights' forms)."""
+    return {**machine_cache.machine_key(), "kernels": KERNELS_VERSION, "build": kernels.source_digest(),
+            "model": model_name, "dtype": str(dtype).removeprefix("torch."), "variant": variant,
+            "buckets": repr(kernel_timing.BUCKETS)}
 
 
 def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str,

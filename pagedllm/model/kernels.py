@@ -36,8 +36,7 @@ def load() -> ModuleType | None:
                 # -march=native: a build is only valid for this CPU, so its features are part of the name. So are
                 # the source folder and the torch install: two checkouts or venvs sharing torch's cache folder
                 # under one name rebuilt it from scratch (~30 s) each time the other had built it last.
-                key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-                key += repr(_CFLAGS).encode() + _cpu_flags().encode()
+                key = source_digest().encode() + _cpu_flags().encode()
                 key += str(_CSRC.resolve()).encode() + str(Path(torch.__file__).resolve().parent).encode()
                 digest = hashlib.sha256(key).hexdigest()[:16]
                 path = os.environ.get("PATH", "")
@@ -50,6 +49,14 @@ def load() -> ModuleType | None:
             except Exception as exc:  # no compiler, no ninja, bad flags: the torch paths still work
                 _ext_error = f"{type(exc).__name__}: {exc}"
     return _ext
+
+
+@functools.cache
+def source_digest() -> str:
+    """The kernels' sources and compiler flags, hashed: part of the build's name, and of the kernel tables' keys (a
+    table timed on another version of the kernels, before an upgrade, is not this one's)."""
+    data = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + repr(_CFLAGS).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def ninja_first(path: str) -> str:

@@ -123,13 +123,14 @@ class ModelRunner:
         variant = kernel_variant(config)
         os.environ.setdefault(dispatch.CAPACITY_ENV, str(dispatch.primitive_cache_capacity(
             ONEDNN_PRIMITIVE_CACHE_CAPACITY, dtype, loaded.name, variant)))
+        checkpoint_bytes = loaded.nbytes()  # before the build consumes the loader's tensors
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
         dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(
                 AttentionShape.of(loaded.config, dtype, kv_dtype, config.block_size))
-        heap.trim()  # the loader's plain weights and the forms no route takes: freed, and now out of the RSS
+        heap.trim_after_build(checkpoint_bytes)  # the loader's plain weights and the forms no route takes: freed
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
                     "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,

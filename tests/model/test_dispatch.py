@@ -229,6 +229,40 @@ def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, 
     assert timer.calls and len(list((tmp_path / "cache").glob("kernels-*.json"))) == 2
 
 
+def test_a_table_timed_on_other_kernel_sources_is_not_read(ext, monkeypatch, tmp_path):
+    """After an upgrade that changed a kernel, its old timings would choose routes for code that is gone."""
+    timer = FakeTimer({"int8": 1.0, "onednn": 2.0})
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
+    timer.calls.clear()
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
+    assert not timer.calls  # the same sources: read from the cache
+    monkeypatch.setattr(kernels, "source_digest", lambda: "another-build")
+    dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
+    assert timer.calls and len(list((tmp_path / "cache").glob("kernels-*.json"))) == 2
+
+
+def test_the_source_digest_follows_the_kernels_sources(monkeypatch, tmp_path):
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }")
+    monkeypatch.setattr(kernels, "_SOURCES", [source])
+    monkeypatch.setattr(kernels, "_HEADERS", [])
+    try:
+        kernels.source_digest.cache_clear()
+        before = kernels.source_digest()
+        source.write_text("int f() { return 2; }")
+        kernels.source_digest.cache_clear()
+        assert kernels.source_digest() != before
+    finally:
+        kernels.source_digest.cache_clear()  # the real sources' digest again for the tests after this one
+
+
+def test_both_kernel_tables_are_keyed_by_the_kernels_sources():
+    from pagedllm.model.attention_dispatch import AttentionShape
+
+    shape = AttentionShape(4, 2, 16, torch.float32, torch.float32, 16)
+    assert shape.key()["build"] == dispatch.prebuild_key(torch.float32, "tiny")["build"] == kernels.source_digest()
+
+
 def test_a_table_measured_on_a_busy_machine_is_not_kept(ext, monkeypatch, tmp_path):
     monkeypatch.setattr(machine_cache, "machine_load", lambda: 64.0)
     dispatch.tune(weights(ext), torch.float32, "tiny",

@@ -118,8 +118,7 @@ def test_default_path_passes_the_accuracy_gate():
     variants = {"bf16": dict(dtype="bfloat16", quantization="none"), "auto": dict(dtype="bfloat16"),
                 "auto + int8 KV": dict(dtype="bfloat16", kv_cache_dtype="int8"),
                 "w8a8": dict(dtype="bfloat16", quantization="w8a8"),
-                "fp32 + bf16 KV": dict(dtype="float32", kv_cache_dtype="bfloat16"),  # auto without fast bf16
-                "fp32": dict(dtype="float32")}
+                "fp32 + bf16 KV": dict(dtype="float32", kv_cache_dtype="bfloat16")}  # auto without fast bf16
     if not kernels.int8_available():  # no exact int8 product: the engine refuses w8a8 (its sums would saturate)
         del variants["w8a8"]
     result = run_gate(None, 24, seed=1234, variants=variants, kv_cache_memory="256MiB")["variants"]
@@ -132,7 +131,7 @@ def test_default_path_passes_the_accuracy_gate():
     assert result["bf16"]["first_token_agreement"] >= 0.95
     # where bf16 arithmetic is slow, auto runs fp32 over a bf16 cache: it passes, and the cache is really bf16
     assert result["fp32 + bf16 KV"]["passes"], result["fp32 + bf16 KV"]
-    assert result["fp32 + bf16 KV"]["mean_top5_logprob_error"] > result["fp32"]["mean_top5_logprob_error"]
+    assert result["fp32 + bf16 KV"]["mean_top5_logprob_error"] > 0.0  # the reference is fp32 over an fp32 cache
     if "w8a8" in result and PackedWeight.available(torch.bfloat16):  # int8 rides on packed weights: else w8a8 is bf16
         assert result["w8a8"]["mean_top5_logprob_error"] > result["auto"]["mean_top5_logprob_error"]
 

@@ -65,6 +65,11 @@ class LoadedModel:
     name: str
     q4_weights: dict[str, Q4Weight] = field(default_factory=dict)  # HF names; only when asked for (keep_4bit)
 
+    def nbytes(self) -> int:
+        """The bytes of its tensors as loaded (plain and 4-bit)."""
+        plain = sum(t.nbytes for t in self.weights.values())
+        return plain + sum(w.q.nbytes + w.scale.nbytes + w.min.nbytes for w in self.q4_weights.values())
+
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with its shape; the loader checks checkpoints against this."""
