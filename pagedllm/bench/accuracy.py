@@ -11,6 +11,7 @@ import platform
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from unittest import mock
 
 from pagedllm.bench.datasets import sample_requests
 from pagedllm.bench.results import write_json
@@ -63,7 +64,9 @@ def compare(reference: list[RequestOutput], variant: list[RequestOutput]) -> Agr
 
 def run_gate(model: str | None, num_prompts: int, seed: int, variants: dict[str, dict] | None = None,
              **engine_args: object) -> dict:
-    """The fp32 reference and each variant on the same prompts; the gate's verdict for each variant."""
+    """The fp32 reference and each variant on the same prompts; the gate's verdict for each variant. A variant's
+    "environment" entry holds environment variables for its build (PAGEDLLM_KERNEL=int8: every matmul on its int8 form,
+    not only where the measured dispatch found it faster)."""
     from pagedllm.entrypoints.llm import LLM
 
     reference_llm = LLM(model, dtype="float32", **engine_args)
@@ -72,7 +75,11 @@ def run_gate(model: str | None, num_prompts: int, seed: int, variants: dict[str,
     del reference_llm
     rows = {}
     for name, kwargs in (variants or DEFAULT_VARIANTS).items():
-        rows[name] = compare(reference, first_steps(LLM(model, **kwargs, **engine_args), prompts)).__dict__
+        kwargs = dict(kwargs)
+        with mock.patch.dict(os.environ, kwargs.pop("environment", {})):  # restored after the build
+            llm = LLM(model, **kwargs, **engine_args)
+        rows[name] = compare(reference, first_steps(llm, prompts)).__dict__
+        del llm
     base = rows.get("bf16", {}).get("mean_top5_logprob_error")
     for row in rows.values():
         row["error_vs_bf16"] = round(row["mean_top5_logprob_error"] / base, 3) if base else None
