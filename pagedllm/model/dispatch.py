@@ -51,6 +51,7 @@ _fresh_calls = itertools.count()
 # process's later builds of the same key reuse them rather than time the same busy machine again.
 _unsaved: dict[str, KernelTable] = {}
 
+
 @dataclass
 class KernelTable:
     """Seconds per call of each path at each row count, per matmul kind; None where a path was not timed."""
