@@ -6,6 +6,7 @@ Wraps a Hugging Face fast tokenizer (`tokenizers.Tokenizer`), built either from 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -61,7 +62,14 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
-        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`) from a model folder."""
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`) from a model folder; once per
+        process while those files are unchanged (parsing tokenizer.json takes 0.1-0.2 s, paid at every engine build
+        by a process that builds several: a bench sweep, the tests). A Tokenizer is not changed after it is made."""
+        stamps = tuple(_stamp(os.path.join(path, name)) for name in _FOLDER_FILES)
+        return _folder_tokenizer(os.path.realpath(path), stamps)
+
+    @classmethod
+    def _read_dir(cls, path: str) -> Tokenizer:
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(f"no tokenizer.json in model folder {path}")
@@ -241,6 +249,25 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+# -- model folders -------------------------------------------------------------------------------------------
+
+_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """A file's size and modification time (None if absent): a changed file is read again."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _folder_tokenizer(path: str, stamps: tuple[tuple[int, int] | None, ...]) -> Tokenizer:
+    return Tokenizer._read_dir(path)
 
 
 # -- building backends ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
     monkeypatch.setattr(ad, "cold_bytes", lambda: 1 << 20)
     monkeypatch.setattr(ad, "BUDGET_S", math.inf)
+    monkeypatch.setattr(ad, "_unsaved", {})
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,14 @@ def test_the_route_is_cached_per_machine_and_shape_and_reused(ext, tmp_path, cap
 def test_a_route_measured_while_others_held_the_cores_is_not_kept(ext, monkeypatch, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="pagedllm")
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 1.0)
-    ad.tune(SHAPE, timer=crossing_at(busy=40, few=10))
+    first, _ = ad.tune(SHAPE, timer=crossing_at(busy=40, few=10))
     assert "not cached" in caplog.text and not list((tmp_path / "cache").glob("attention-*.json"))
+    calls = []  # this process's next engine of the same shape: the busy table again, not timed again
+    again, _ = ad.tune(SHAPE, timer=crossing_at(busy=10**6, few=10**6, calls=calls))
+    assert again == first and not calls and "measured earlier in this process" in caplog.text
+    monkeypatch.setattr(ad, "_unsaved", {})  # another process: measured again
+    ad.tune(SHAPE, timer=crossing_at(busy=10**6, few=10**6, calls=calls))
+    assert calls
 
 
 def test_the_environment_keeps_the_static_route(ext, monkeypatch):

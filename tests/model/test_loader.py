@@ -387,6 +387,28 @@ def test_read_gguf_agrees_with_gguf_reader():
         assert np.array_equal(ours.data.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)), t.name
 
 
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+def test_plain_blocks_read_bit_for_bit_as_gguf_py_reads_them(quant):
+    """The torch reader of Q4_0 / Q4_1 / Q8_0 blocks gives gguf-py's float32 values to the bit: random blocks with
+    finite fp16 scales and mins of every size (subnormal to 65504), negative ones too."""
+    from pagedllm.model.loader.gguf_blocks import dequantize_blocks
+
+    rng = np.random.default_rng(7)
+    kind = gguf.GGMLQuantizationType[quant]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, blocks = 96, 5
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    halves = 2 if quant == "Q4_1" else 1  # d (and Q4_1's m) lead each block
+    scales = rng.integers(0, 0x7C00, (rows, blocks, halves), dtype=np.uint16)  # below 0x7C00: finite
+    scales |= rng.integers(0, 2, scales.shape, dtype=np.uint16) << 15  # either sign
+    data[..., :2 * halves] = scales.view(np.uint8).reshape(rows, blocks, 2 * halves)
+    data = data.reshape(rows, blocks * size)
+    ours = dequantize_blocks(data, quant)
+    theirs = gguf.quants.dequantize(data, kind).reshape(rows, blocks * block)
+    assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+    assert torch.equal(ours.view(torch.int32), torch.from_numpy(np.ascontiguousarray(theirs)).view(torch.int32))
+
+
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1"])
 def test_gguf_4bit_weights_as_stored(tiny_model_dir, tmp_path, quant):
     """keep_4bit gives each Q4 projection as (q, scale, min) that rebuild exactly the dequantized weights, rows
@@ -404,6 +426,7 @@ def test_gguf_4bit_weights_as_stored(tiny_model_dir, tmp_path, quant):
         assert torch.equal(groups.view(rows, cols), plain.weights[name]), name
         assert torch.equal(w4.scale.half().float(), w4.scale) and torch.equal(w4.min.half().float(), w4.min)
         assert torch.allclose(plain.weights[name], hf.weights[name], atol=0.1 * hf.weights[name].abs().max()), name
-    assert torch.equal(m.weights[name], plain.weights[name])
+    for name, w in plain.weights.items():  # the dense forms beside the 4-bit ones: the same values
+        assert torch.equal(m.weights[name], w), name
     assert load_model(path, torch.float32).q4_weights == {}
     assert load_model(tiny_model_dir, torch.float32, keep_4bit=True).q4_weights == {}  # safetensors: none

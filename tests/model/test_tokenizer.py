@@ -115,6 +115,22 @@ def test_bos_from_tokenizer_config(tiny_model_dir, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
 
 
+def test_a_folder_is_read_once_until_its_files_change(tiny_model_dir, tmp_path):
+    """Engine after engine on one folder shares one Tokenizer; a changed (or added) file is read again."""
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_model_dir, f), tmp_path)
+    first = Tokenizer.from_dir(str(tmp_path))
+    assert Tokenizer.from_dir(str(tmp_path) + "/") is first  # the same folder, spelled differently
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    changed = Tokenizer.from_dir(str(tmp_path))
+    assert changed is not first and changed.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+    os.remove(tmp_path / "tokenizer.json")
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_dir(str(tmp_path))
+
+
 def test_errors(tok):
     metadata = dict(smollm2_gguf_metadata())
     with pytest.raises(ValueError, match="'bert'"):

@@ -9,14 +9,17 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
 from pagedllm.model.loader.common import LoadedModel, ModelConfig, Q4Weight, check_weights
+from pagedllm.model.loader.gguf_blocks import FAST_TYPES, dequantize_blocks, q4_parts, q4_values
 from pagedllm.model.registry import gguf_family
 from pagedllm.model.tokenizer import Tokenizer
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -177,8 +180,11 @@ def load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedM
             continue
         heads = permuted_heads(gguf_name, config)
         if keep_4bit and tensor.tensor_type.name in Q4_TYPES and len(tensor.shape) == 2:
-            q4_weights[name] = q4_weight(tensor, heads)
-        weights[name] = torch.from_numpy(dequantize(tensor, heads, path)).to(dtype)
+            q, d, m = q4_rows(tensor, heads)
+            q4_weights[name] = Q4Weight(q, d, -8 * d if m is None else m)
+            weights[name] = q4_values(q, d, m).to(dtype)  # the same values dequantize() gives
+        else:
+            weights[name] = dequantize(tensor, heads, path).to(dtype)
     weights = check_weights(weights, config, path)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, weights, tokenizer, name, q4_weights)
@@ -191,19 +197,19 @@ def gguf_config(path: str) -> tuple[ModelConfig, Tokenizer, dict[str, GGUFTensor
     return config_from_gguf(metadata, tensors, tokenizer, path), tokenizer, tensors
 
 
-def dequantize(tensor: GGUFTensor, heads: int, path: str) -> np.ndarray:
+def dequantize(tensor: GGUFTensor, heads: int, path: str) -> torch.Tensor:
     """A tensor as float32 (or as stored, for F16 / F32) in HF's shape and row order, owning its memory."""
     import gguf
 
     try:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tensor.shape)
+        if tensor.tensor_type.name in FAST_TYPES:
+            values = dequantize_blocks(tensor.data, tensor.tensor_type.name).reshape(tensor.shape)
+        else:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # F16 / F32: a view of the file
+            values = torch.from_numpy(np.require(values, requirements=("C", "W"))).reshape(tensor.shape)
     except Exception as e:
         raise ValueError(f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
-    if heads:
-        array = unpermute_rows(array, heads)
-    if not array.flags.writeable or not array.flags.c_contiguous:  # still a view of the mapped file
-        array = np.array(array, dtype=np.float32)
-    return array
+    return unpermute_rows(values, heads).contiguous() if heads else values
 
 
 def permuted_heads(gguf_name: str, config: ModelConfig) -> int:
@@ -215,20 +221,14 @@ def permuted_heads(gguf_name: str, config: ModelConfig) -> int:
     return config.num_key_value_heads if ".attn_k." in gguf_name else 0
 
 
-def q4_weight(tensor: GGUFTensor, permuted_heads: int) -> Q4Weight:
-    """Split ggml's Q4_0 blocks (f16 d, 16 bytes of nibbles: w = d * (q - 8)) or Q4_1 blocks (f16 d, f16 m, the
-    nibbles: w = d * q + m) of 32 weights into the 4-bit values and a scale and min per block (-8 d for Q4_0).
-    The low nibbles hold a block's first 16 weights, the high nibbles its last 16."""
-    rows, cols = tensor.shape
-    has_min = tensor.tensor_type.name == "Q4_1"
-    blocks = tensor.data.reshape(rows, cols // 32, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * d
-    nibbles = blocks[..., 4:] if has_min else blocks[..., 2:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
-    if permuted_heads:
-        q, d, m = (unpermute_rows(a, permuted_heads) for a in (q, d, m))
-    return Q4Weight(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
+def q4_rows(tensor: GGUFTensor, permuted_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A Q4_0 / Q4_1 matrix as stored (gguf_blocks.q4_parts: the 4-bit values, the scales, Q4_1's mins), in HF's
+    row order."""
+    parts = q4_parts(tensor.data, tensor.tensor_type.name)
+    if not permuted_heads:
+        return parts
+    q, d, m = (None if a is None else unpermute_rows(a, permuted_heads).contiguous() for a in parts)
+    return q, d, m
 
 
 def config_from_gguf(
@@ -332,8 +332,9 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{GLOBAL_NAMES[base]}.{suffix}" if base in GLOBAL_NAMES else None
 
 
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo convert_hf_to_gguf.py's q/k row order (interleaved rotary pairs -> HF's rotate-half halves)."""
+def unpermute_rows(w: ArrayT, n_head: int) -> ArrayT:
+    """Undo convert_hf_to_gguf.py's q/k row order (interleaved rotary pairs -> HF's rotate-half halves); a numpy
+    array or a tensor (a tensor's result may be a view: .contiguous() it)."""
     rest = w.shape[1:]
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
