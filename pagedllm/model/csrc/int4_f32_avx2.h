@@ -4,7 +4,8 @@
 // the AVX-512 schedules; 8-float vectors and 16 registers instead of 16 and 32, so the blocks are narrower:
 //   - a half tile's 32 columns run as two quarters of 16: bytes 0-7 of each k hold columns 0-7 (low nibbles) and
 //     16-23 (high), bytes 8-15 columns 8-15 and 24-31; at most kQuarterRows rows a pass (2 accumulators each, beside
-//     a quarter's scales and mins and its two weight vectors);
+//     a quarter's scales and mins and its two weight vectors); 1 or 2 rows run both quarters in one pass (4
+//     accumulators a row: with 2, a row's FMA chains left the FMA units idle);
 //   - the wide schedule's panel (the same [K][64] fp32) is read 16 columns at a time by blocks of 6 rows, 6 x 2
 //     accumulators (12 FMAs per k), the usual AVX2 GEMM block.
 #pragma once
@@ -64,9 +65,51 @@ using NarrowQuarter = void (*)(const uint8_t*, const at::Half*, const at::Half*,
 constexpr NarrowQuarter kNarrowQuarter[kQuarterRows + 1] = {nullptr, narrow_quarter<1>, narrow_quarter<2>,
                                                             narrow_quarter<3>, narrow_quarter<4>};
 
-// M rows (M <= kNarrowRows) x half h of a tile: its two quarters, kQuarterRows rows at a time.
+// R rows (R <= kHalfRows) x half h of a tile over all of K, both quarters at once: 4 accumulators a row, where a
+// quarter alone keeps 2, each waiting on its own FMA chain over k (the chains are the same, so are the sums).
+constexpr int64_t kHalfRows = 2;
+
+template <int R>
+void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h, const float* x,
+                 int64_t K, int64_t G, float* out, int64_t N) {
+  __m256 acc[R][4];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const QuarterGroup q0(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf, 0);
+    const QuarterGroup q1(sc + g * kTile + h * kHalf, mn + g * kTile + h * kHalf, 1);
+    const uint8_t* p = packed + (g * 2 + h) * kHalfBytes;
+    const float* xg = x + g * kGroup;
+    if (g + kPrefetchGroups < G)
+      prefetch_group(p + kPrefetchGroups * 2 * kHalfBytes, sc, mn, g + kPrefetchGroups, h);
+#pragma GCC unroll 4
+    for (int k = 0; k < kGroup; ++k) {
+      __m256 w[4];
+      q0.weights(p + 16 * k, w[0], w[1]);
+      q1.weights(p + 16 * k + 8, w[2], w[3]);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_set1_ps(xg[r * K + k]);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(xb, w[i], acc[r][i]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {  // quarter j's accumulators hold columns 8j.. and 16 + 8j.. of the half
+    _mm256_storeu_ps(out + r * N + h * kHalf, acc[r][0]);
+    _mm256_storeu_ps(out + r * N + h * kHalf + 16, acc[r][1]);
+    _mm256_storeu_ps(out + r * N + h * kHalf + 8, acc[r][2]);
+    _mm256_storeu_ps(out + r * N + h * kHalf + 24, acc[r][3]);
+  }
+}
+
+// M rows (M <= kNarrowRows) x half h of a tile: one row both quarters at once, more rows quarter by quarter,
+// kQuarterRows rows at a time.
 void narrow_rows(int64_t M, const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h,
                  const float* x, int64_t K, int64_t G, float* out, int64_t N) {
+  if (M == 1) return narrow_half<1>(packed, sc, mn, h, x, K, G, out, N);
+  if (M == 2) return narrow_half<2>(packed, sc, mn, h, x, K, G, out, N);
   for (int64_t j = 0; j < 2; ++j)
     for (int64_t r = 0; r < M; r += kQuarterRows)
       kNarrowQuarter[std::min(kQuarterRows, M - r)](packed, sc, mn, h, j, x + r * K, K, G, out + r * N, N);

@@ -1,7 +1,7 @@
 """ggml's plain block formats (Q4_0, Q4_1, Q8_0: one fp16 scale, for Q4_1 an fp16 min, per 32 weights) read with
 torch. The values are bit for bit what gguf-py's numpy reference gives (the same float32 products and sums, in the
-same order), in under half its time and on every thread: most of a default-model start was spent there. The
-K-quants and the rest stay with gguf-py."""
+same order), in under half its time and on every thread: gguf-py's took the larger part of the default model's build.
+The K-quants and the rest stay with gguf-py."""
 
 from __future__ import annotations
 
