@@ -104,12 +104,15 @@ void narrow_half(const uint8_t* packed, const at::Half* sc, const at::Half* mn, 
   }
 }
 
-// M rows (M <= kNarrowRows) x half h of a tile: one row both quarters at once, more rows quarter by quarter,
+using NarrowHalf = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, const float*, int64_t, int64_t,
+                            float*, int64_t);
+constexpr NarrowHalf kNarrowHalf[kHalfRows + 1] = {nullptr, narrow_half<1>, narrow_half<2>};
+
+// M rows (M <= kNarrowRows) x half h of a tile: up to kHalfRows rows both quarters at once, more quarter by quarter,
 // kQuarterRows rows at a time.
 void narrow_rows(int64_t M, const uint8_t* packed, const at::Half* sc, const at::Half* mn, int64_t h,
                  const float* x, int64_t K, int64_t G, float* out, int64_t N) {
-  if (M == 1) return narrow_half<1>(packed, sc, mn, h, x, K, G, out, N);
-  if (M == 2) return narrow_half<2>(packed, sc, mn, h, x, K, G, out, N);
+  if (M <= kHalfRows) return kNarrowHalf[M](packed, sc, mn, h, x, K, G, out, N);
   for (int64_t j = 0; j < 2; ++j)
     for (int64_t r = 0; r < M; r += kQuarterRows)
       kNarrowQuarter[std::min(kQuarterRows, M - r)](packed, sc, mn, h, j, x + r * K, K, G, out + r * N, N);
