@@ -11,7 +11,6 @@ PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -57,10 +56,6 @@ REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts o
                        f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
                "few": f"1, 2T and 4T-1 sequences on T threads, timed together, contexts of "
                       f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens"}
-
-# Tables measured while other processes held the cores: not cached on disk, but reused by this process's later engines
-# of the same key (as dispatch.py's matmul tables) rather than timed again on the same busy machine.
-_unsaved: dict[str, AttentionTable] = {}
 
 # One timed call: (what, kernel, rows, run) -> seconds. Tests pass fake timings.
 Timer = Callable[[str, str, int, Callable[[], object]], float]
@@ -275,9 +270,10 @@ def tune(shape: AttentionShape, refresh: bool = False,
     key = shape.key()
     file = machine_cache.cache_file(key, "attention")
     table = None if refresh else load(key)
-    how, key_text = f"read from {file}", json.dumps(key, sort_keys=True)
-    if table is None and not refresh and key_text in _unsaved:
-        table, how = _unsaved[key_text], "measured earlier in this process while other processes held the cores"
+    how = f"read from {file}"
+    if table is None and not refresh:
+        table = machine_cache.unsaved(key, AttentionTable)
+        how = how if table is None else "measured earlier in this process while other processes held the cores"
     if table is None:
         sample = machine_cache.cpu_sample()
         with torch.inference_mode():
@@ -290,6 +286,6 @@ def tune(shape: AttentionShape, refresh: bool = False,
         else:
             how = (f"measured in {table.seconds:.2f} s while other processes used {table.others_cpu:.2f} CPUs, "
                    f"not cached: measured again next start")
-            _unsaved[key_text] = table
+            machine_cache.keep_unsaved(key, table)
     logger.info("attention (%s): %s", how, table.summary())
     return table.route(), table

@@ -47,10 +47,6 @@ FRESH_ROWS = (23, 45, 91)
 FRESH_SHIFT = 2
 PAD_BUDGET_S = 0.25  # kinds past this are counted at the measured ones' mean
 _fresh_calls = itertools.count()
-# Tables measured while other processes held the cores: not cached on disk (the next start measures again), but this
-# process's later builds of the same key reuse them rather than time the same busy machine again.
-_unsaved: dict[str, KernelTable] = {}
-
 
 @dataclass
 class KernelTable:
@@ -293,11 +289,11 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         return None
     key = table_key(weights, dtype, model_name, variant)
     file = machine_cache.cache_file(key)
-    key_text = json.dumps(key, sort_keys=True)
     table = None if refresh else load(file, key)
     how = f"read from {file}"
-    if table is None and not refresh and key_text in _unsaved:
-        table, how = _unsaved[key_text], "measured earlier in this process while other processes held the cores"
+    if table is None and not refresh:
+        table = machine_cache.unsaved(key, KernelTable)
+        how = how if table is None else "measured earlier in this process while other processes held the cores"
     if table is None:
         start = machine_cache.cpu_sample()
         with torch.inference_mode():
@@ -309,7 +305,7 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         if not cacheable(table):
             how = (f"measured in {table.seconds:.1f} s at load {table.load:.1f} while other processes used "
                    f"{table.others_cpu:.2f} CPUs, not cached: measured again next start")
-            _unsaved[key_text] = table
+            machine_cache.keep_unsaved(key, table)
         else:
             save(file, table)
     apply(table, weights)

@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -111,3 +112,19 @@ def save_json(path: Path, data: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("could not cache a measurement at %s: %s", path, e)
+
+
+# Tables measured while other processes held the cores: not cached on disk (the next start measures again), but this
+# process's later builds of the same key reuse them rather than time the same busy machine again.
+_unsaved: dict[str, object] = {}
+T = TypeVar("T")
+
+
+def unsaved(key: dict[str, str], kind: type[T]) -> T | None:
+    """A `kind` table this process measured for `key` while others held the cores, if any."""
+    table = _unsaved.get(json.dumps(key, sort_keys=True))
+    return table if isinstance(table, kind) else None
+
+
+def keep_unsaved(key: dict[str, str], table: object) -> None:
+    _unsaved[json.dumps(key, sort_keys=True)] = table

@@ -30,7 +30,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
     monkeypatch.setattr(ad, "cold_bytes", lambda: 1 << 20)
     monkeypatch.setattr(ad, "BUDGET_S", math.inf)
-    monkeypatch.setattr(ad, "_unsaved", {})
+    monkeypatch.setattr(machine_cache, "_unsaved", {})
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_a_route_measured_while_others_held_the_cores_is_not_kept(ext, monkeypat
     calls = []  # this process's next engine of the same shape: the busy table again, not timed again
     again, _ = ad.tune(SHAPE, timer=crossing_at(busy=10**6, few=10**6, calls=calls))
     assert again == first and not calls and "measured earlier in this process" in caplog.text
-    monkeypatch.setattr(ad, "_unsaved", {})  # another process: measured again
+    monkeypatch.setattr(machine_cache, "_unsaved", {})  # another process: measured again
     ad.tune(SHAPE, timer=crossing_at(busy=10**6, few=10**6, calls=calls))
     assert calls
 

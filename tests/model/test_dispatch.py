@@ -26,7 +26,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(dispatch.CAPACITY_ENV, raising=False)  # oneDNN's own 1,024: room for bounded shapes
     monkeypatch.setattr(machine_cache, "machine_load", lambda: 0.0)
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
-    monkeypatch.setattr(dispatch, "_unsaved", {})
+    monkeypatch.setattr(machine_cache, "_unsaved", {})
     monkeypatch.setattr(kernel_timing, "BUDGET_S", math.inf)  # fake times are no seconds: budget tests pass their own
     yield
 
@@ -283,7 +283,7 @@ def test_a_table_measured_while_others_held_the_cores_is_not_kept(ext, monkeypat
         dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
     assert not timer.calls and "measured earlier in this process" in caplog.text
     assert not list((tmp_path / "cache").glob("kernels-*.json"))
-    monkeypatch.setattr(dispatch, "_unsaved", {})  # another process
+    monkeypatch.setattr(machine_cache, "_unsaved", {})  # another process
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.1)  # below a quarter of a core: kept
     dispatch.tune(weights(ext), torch.float32, "tiny", timer=timer)
     assert timer.calls and len(list((tmp_path / "cache").glob("kernels-*.json"))) == 1
