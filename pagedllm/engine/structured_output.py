@@ -18,9 +18,8 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance as llg
 import torch
 
 from pagedllm.engine.grammar_limits import (
@@ -38,6 +37,9 @@ from pagedllm.engine.grammar_worker import GrammarWorker
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # imported where first used (~0.16 s): engines without structured requests never need it
+    import llguidance as llg
 
 logger = logging.getLogger("pagedllm")
 
@@ -85,6 +87,8 @@ def json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The request's constraint as an llguidance grammar, within grammar_limits.py's bounds (not yet compiled: the
     worker and the matcher do that)."""
+    import llguidance as llg
+
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema: Any = {"type": "object"} if kind == "json_object" else spec.json
@@ -154,6 +158,8 @@ class StructuredOutputManager:
     def lltokenizer(self) -> llg.LLTokenizer:
         """The vocabulary as llguidance sees it, built on first use (~0.25 s for 49k tokens): engines that never
         get a structured request never pay for it."""
+        import llguidance as llg
+
         with self._lock:
             if self._lltokenizer is None:
                 self._lltokenizer = llg.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
@@ -194,6 +200,8 @@ class StructuredOutputManager:
         return compiled
 
     def _compile_new(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        import llguidance as llg
+
         start = time.perf_counter()
         grammar = grammar_text(spec)
         trial = self.worker.trial(grammar) if self._use_worker else None

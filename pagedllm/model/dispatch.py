@@ -133,6 +133,30 @@ def primitive_cache_capacity(unpadded: int, dtype: torch.dtype, model_name: str,
     return PADDED_CACHE_CAPACITY if on else unpadded
 
 
+@dataclass(frozen=True)
+class PlannedForms:
+    """One matmul kind in this machine's cached table: the shape and forms it was measured for (PackedWeight.entry)
+    and the forms its route takes: a build whose weight has that entry makes only those."""
+
+    entry: str
+    taken: frozenset[str]
+
+
+def planned_forms(dtype: torch.dtype, model_name: str, variant: str = "") -> dict[str, PlannedForms] | None:
+    """Each kind's PlannedForms from the table cached for this machine and model, read before the build so that the
+    forms no route takes are never made (their time and memory at start-up); None at a first start and where
+    PAGEDLLM_KERNEL sets the routes (every form made)."""
+    if os.environ.get(FORCE_ENV, "measured") != "measured":
+        return None
+    key = prebuild_key(dtype, model_name, variant)
+    table = load(machine_cache.cache_file(key), key)
+    if table is None or "shapes" not in table.key:
+        return None
+    entries = json.loads(table.key["shapes"])
+    return {kind: PlannedForms(entries[kind], frozenset(path for _, path in table.route(kind)))
+            for kind in table.times if kind in entries}
+
+
 def auto_fp32(dtype_flag: str, dtype: torch.dtype) -> bool:
     """`--dtype auto` chose fp32 (no fast bf16 here): the lm_head may run int8 where it is faster, its top candidates
     rescored in fp32 (llama.py), so greedy tokens stay fp32's; an explicit float32 stays exact."""
@@ -150,8 +174,7 @@ def prebuild_key(dtype: torch.dtype, model_name: str, variant: str = "") -> dict
 def table_key(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name: str,
               variant: str = "") -> dict[str, str]:
     """What a table holds for: prebuild_key and each kind's shape and forms."""
-    shapes = {kind: f"{ws[0].shape[0]}x{ws[0].shape[1]}:{'+'.join(sorted(ws[0].paths()))}"
-              for kind, ws in weights.items()}
+    shapes = {kind: ws[0].entry() for kind, ws in weights.items()}
     return {**prebuild_key(dtype, model_name, variant), "shapes": json.dumps(shapes, sort_keys=True)}
 
 
@@ -294,6 +317,12 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
     if table is None and not refresh:
         table = machine_cache.unsaved(key, KernelTable)
         how = how if table is None else "measured earlier in this process while other processes held the cores"
+    if table is None and any(w.skipped for ws in weights.values() for w in ws):
+        # built for the table on disk, which another process replaced since: its routes are the ones the forms fit
+        table = load(file, machine_cache.prebuild_part(key))
+        how = f"read from {file} (as the build planned)"
+        if table is None:
+            raise RuntimeError(f"{file}: the kernel table this model was built for is gone; start again to measure")
     if table is None:
         start = machine_cache.cpu_sample()
         with torch.inference_mode():

@@ -94,6 +94,15 @@ class Int4Weight:
         return kernel(x.contiguous(), self.packed, self.scales, self.mins)
 
 
+def transposed(plain: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """plain.t().contiguous(), copied `rows` rows at a time: in one call torch's copy strides across the whole output
+    (a 49,152 x 576 lm_head: 0.09-0.16 s against 0.04-0.10 in blocks, AMD EPYC Zen 3)."""
+    out = plain.new_empty(plain.shape[1], plain.shape[0])
+    for i in range(0, plain.shape[0], rows):
+        out[:, i:i + rows] = plain[i:i + rows].t()
+    return out
+
+
 class Int8Weight:
     """A weight in int8, one scale per output row (w8a8): activations are quantised per row (token) on the fly, the
     product sums exactly in int32 and is scaled back into the output as it is written. Numerics change beyond bf16
@@ -116,11 +125,9 @@ class Int8Weight:
         where oneDNN's products are exact (model/dispatch.py times them: oneDNN's int8 matmul runs on AMX tiles where
         the CPU has them; without VNNI it saturates, so only the kernel runs). outliers: input
         channels per call kept out of the int8 product (see mm); keeps a transposed copy of the weight for them."""
-        w = plain.float()
         self.outliers = min(outliers, plain.shape[1])
-        self.plain_t = plain.t().contiguous() if self.outliers else None  # [in, out]: a channel's weights in a row
-        self.scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).contiguous()
-        q = (w / self.scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.plain_t = transposed(plain) if self.outliers else None  # [in, out]: a channel's weights in a row
+        q, self.scale = ext.quantize_rows_int8(plain.contiguous())  # as the activations: round(w * (1 / scale))
         self.out_features = q.shape[0]
         self.ext = ext
         self.packed: torch.Tensor | None = None  # for int8_gemm
@@ -134,6 +141,13 @@ class Int8Weight:
         if self.packed is None or (int_mm and exact):
             self.q_t = q.t()
         self.blocks = [slice(j, j + INT8_COLUMN_BLOCK) for j in range(0, q.shape[0], INT8_COLUMN_BLOCK)]
+
+    @classmethod
+    def forms_for(cls, ext: ModuleType | None, in_features: int, int_mm: bool = False) -> frozenset[str]:
+        """The products a weight of `in_features` inputs gets here (forms(), before it is made)."""
+        kernel = cls.kernel_available(ext, in_features)
+        int_mm = not kernel or (int_mm and kernels.int8_products_exact())
+        return frozenset(name for name, made in (("int8", kernel), ("int8_mm", int_mm)) if made)
 
     @staticmethod
     def kernel_available(ext: ModuleType | None, in_features: int) -> bool:
@@ -257,11 +271,14 @@ class PackedWeight:
     A bf16 weight on a CPU without native bf16 matmuls is packed `widened` to fp32 (see onednn_mm)."""
 
     def __init__(self, plain: torch.Tensor, int4: Int4Weight | None = None, int8: Int8Weight | None = None,
-                 bf16: Bf16Weight | None = None) -> None:
+                 bf16: Bf16Weight | None = None, onednn: bool = True) -> None:
+        """onednn=False: no oneDNN form (its route takes none: see skipped)."""
         self.pad_rows = False  # set by model/dispatch.py under PAGEDLLM_PAD_ROWS=1
         self.widened = self.widens(plain.dtype)
         packed = plain.float() if self.widened else plain
-        self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(packed)
+        self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(packed) if onednn else None
+        # forms the weight could have had but were not made, the cached route taking none of them (llama.py)
+        self.skipped: frozenset[str] = frozenset()
         # beside a widened copy, torch's own bf16 matmul on the plain rows: half the bytes, faster at 1-2 rows
         self.plain = plain if self.widened else None
         self.shape = tuple(plain.shape)  # [out, in]
@@ -296,6 +313,14 @@ class PackedWeight:
         int8 = self.int8.forms() if self.int8 is not None else frozenset()
         onednn = frozenset({"onednn"}) if self.packed is not None else frozenset()
         return frozenset(name for name, form in forms.items() if form is not None) | int8 | onednn
+
+    def entry(self) -> str:
+        """Its shape and every form it could have (made or skipped): what a kernel table is measured for."""
+        return self.shape_entry(self.shape, self.paths() | self.skipped)
+
+    @staticmethod
+    def shape_entry(shape: tuple[int, ...], forms: frozenset[str]) -> str:
+        return f"{shape[0]}x{shape[1]}:{'+'.join(sorted(forms))}"
 
     def keep_only(self, paths: frozenset[str]) -> None:
         """Drop the forms no route uses (their memory; oneDNN's too: on a 1B model where the 4-bit kernel and

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,16 @@ from pagedllm.model.lora import LoRABatch, LoRAStack
 from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 from pagedllm.model.timing import NO_TIMER, PartTimer
 
+if TYPE_CHECKING:
+    from pagedllm.model.dispatch import PlannedForms
+
 # input channels of the int8 lm_head computed from the plain weight (Int8Weight.mm); 16 of 576 here brought its top-5
 # logprob error from 1.17-1.26x plain bf16's to about 1x (`python docs/scripts/outlier_channels_gate.py`)
 LM_HEAD_OUTLIER_CHANNELS = 16
+INT8_FORMS = frozenset({"int8", "int8_mm"})  # dispatch's names of Int8Weight's products
+# each matmul kind of a decoder layer: its checkpoint weights, stacked by rows in this order
+MATMULS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 RESCORE_TOP_K = 16  # candidates whose logits are recomputed in fp32 when the model runs in bf16
 
 
@@ -97,7 +105,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
-                 int8: Collection[str] = ()) -> None:
+                 int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -111,11 +119,13 @@ class LlamaModel:
         self.ext = kernels.load() if attention_backend != "reference" else None
         # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
         self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
+        q4 = q4_weights if q4_weights is not None else {}  # a GGUF file's 4-bit weights, consumed as `weights`
+        # the forms the cached kernel table's routes take (dispatch.planned_forms), if it was measured for these weights
+        self.planned = planned if planned and self.pack and self._plan_fits(weights, q4, planned) else {}
         self.embed = w.keep("model.embed_tokens.weight")
         self.lm_head = w.keep("lm_head.weight") if "lm_head.weight" in w else self.embed
         self.lm_head_weight = self._packed(self.lm_head, "lm_head") if self.pack else self.lm_head
         self.norm = w.keep("model.norm.weight")
-        q4 = q4_weights if q4_weights is not None else {}  # a GGUF file's 4-bit weights, consumed as `weights`
         self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
@@ -130,15 +140,16 @@ class LlamaModel:
 
     def _layer(self, w: Consumed, q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
-        qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        names = {kind: [f"{p}{n}.weight" for n in parts] for kind, parts in MATMULS.items()}
+        bias = torch.cat([w.pop(p + n + ".bias") for n in MATMULS["qkv"]]) if self.config.attention_bias else None
         return DecoderLayer(
             input_norm=w.keep(p + "input_layernorm.weight"),
-            qkv_weight=self._weight(w, q4, [n + ".weight" for n in qkv], "qkv"),
-            qkv_bias=torch.cat([w.pop(n + ".bias") for n in qkv]) if self.config.attention_bias else None,
-            o_weight=self._weight(w, q4, [p + "self_attn.o_proj.weight"], "o"),
+            qkv_weight=self._weight(w, q4, names["qkv"], "qkv"),
+            qkv_bias=bias,
+            o_weight=self._weight(w, q4, names["o"], "o"),
             post_norm=w.keep(p + "post_attention_layernorm.weight"),
-            gate_up_weight=self._weight(w, q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "gate_up"),
-            down_weight=self._weight(w, q4, [p + "mlp.down_proj.weight"], "down"),
+            gate_up_weight=self._weight(w, q4, names["gate_up"], "gate_up"),
+            down_weight=self._weight(w, q4, names["down"], "down"),
         )
 
     def _weight(self, w: Consumed, q4: dict[str, Q4Weight], names: list[str], kind: str) -> Weight:
@@ -147,20 +158,60 @@ class LlamaModel:
         kept = not self.pack or PackedWeight.widens(self.dtype)  # the plain rows are what the model holds
         plain = torch.cat([w.pop(n) for n in names]) if len(names) > 1 else (w.keep if kept else w.pop)(names[0])
         stored = [q4.pop(n) for n in names if n in q4]
-        if not self.pack:
-            return plain
-        if len(stored) < len(names):
-            return self._packed(plain, kind)
-        q, scale, min_ = (torch.cat([getattr(s, f) for s in stored]) for f in ("q", "scale", "min"))
-        available = Int4Weight.available(q, scale, min_, self.dtype, self.ext)
-        return self._packed(plain, kind, Int4Weight(q, scale, min_, self.ext, self.dtype) if available else None)
+        return self._packed(plain, kind, self._int4_parts(stored, len(names))) if self.pack else plain
 
-    def _packed(self, plain: torch.Tensor, kind: str, int4: Int4Weight | None = None) -> PackedWeight:
+    def _int4_parts(self, stored: list[Q4Weight], wanted: int) -> tuple[torch.Tensor, ...] | None:
+        """The 4-bit parts of a stacked weight (values, scales, mins), if each of its `wanted` weights has them and
+        a kernel takes them here."""
+        if not stored or len(stored) < wanted:
+            return None
+        q, scale, min_ = (torch.cat([getattr(s, f) for s in stored]) for f in ("q", "scale", "min"))
+        return (q, scale, min_) if Int4Weight.available(q, scale, min_, self.dtype, self.ext) else None
+
+    def _plan_fits(self, weights: dict[str, torch.Tensor], q4: dict[str, Q4Weight],
+                   planned: Mapping[str, PlannedForms]) -> bool:
+        """Each kind's first weight has the entry the cached table was measured for, so the engine reads that table
+        after the build: a build for a table of other shapes would lack forms its own measurement needs."""
+        names = {kind: [f"model.layers.0.{n}.weight" for n in parts] for kind, parts in MATMULS.items()}
+        names["lm_head"] = ["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"]
+        for kind, found in names.items():
+            if kind not in planned or any(n not in weights for n in found):
+                return False
+            shape = (sum(weights[n].shape[0] for n in found), weights[found[0]].shape[1])
+            int4 = kind != "lm_head" and self._int4_parts([q4[n] for n in found if n in q4], len(found)) is not None
+            if planned[kind].entry != PackedWeight.shape_entry(shape, self.possible_forms(shape, kind, int4)):
+                return False
+        return True
+
+    def _packed(self, plain: torch.Tensor, kind: str, q4: tuple[torch.Tensor, ...] | None = None) -> PackedWeight:
+        """The weight with each form it can have here, or only those its cached route takes."""
+        forms = self.possible_forms(tuple(plain.shape), kind, q4 is not None)
+        make = self._forms_to_make(kind, PackedWeight.shape_entry(tuple(plain.shape), forms), forms)
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
-        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if kind in self.int8 else None
-        use_bf16 = kind != "lm_head" and Bf16Weight.available(plain, self.ext)
-        bf16 = Bf16Weight(plain, self.ext) if use_bf16 else None
-        return PackedWeight(plain, int4, int8, bf16)
+        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if make & INT8_FORMS else None
+        bf16 = Bf16Weight(plain, self.ext) if "bf16_gemm" in make else None
+        int4 = Int4Weight(*q4, self.ext, self.dtype) if "int4" in make else None
+        weight = PackedWeight(plain, int4, int8, bf16, onednn="onednn" in make)
+        weight.skipped = forms - weight.paths()
+        return weight
+
+    def possible_forms(self, shape: tuple[int, ...], kind: str, int4: bool) -> frozenset[str]:
+        """dispatch's names of the forms a weight of this shape and kind can have here (its paths() when all are
+        made; `int4`: it has 4-bit parts a kernel takes)."""
+        forms = {"onednn", *(["int4"] if int4 else []), *(["bf16_plain"] if PackedWeight.widens(self.dtype) else [])}
+        if kind in self.int8:
+            forms |= Int8Weight.forms_for(self.ext, shape[1], int_mm=True)
+        if kind != "lm_head" and Bf16Weight.available(torch.empty(shape, dtype=self.dtype, device="meta"), self.ext):
+            forms.add("bf16_gemm")
+        return frozenset(forms)
+
+    def _forms_to_make(self, kind: str, entry: str, forms: frozenset[str]) -> frozenset[str]:
+        """Those of `forms` the cached table's route for this kind takes, if it was measured for this very weight
+        (its entry); else all of them, to be measured."""
+        plan = self.planned.get(kind)
+        if plan is None or plan.entry != entry or not plan.taken & forms:
+            return forms
+        return plan.taken & forms
 
     @property
     def exact_logits(self) -> bool:

@@ -20,7 +20,7 @@ from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
 from pagedllm.model.llama import AttentionMetadata
-from pagedllm.model.loader import ModelConfig, load_model
+from pagedllm.model.loader import LoadedModel, ModelConfig, load_model
 from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_adapter
 from pagedllm.model.lora import AdapterStore, LoRABatch, LoRAStack
 from pagedllm.model.prefault import KVPrefault
@@ -46,6 +46,19 @@ def kernel_variant(config: EngineConfig) -> str:
     """The engine flags that choose the forms of the model's weights: part of the kernel table's key, known before
     the model is built (model/dispatch.py)."""
     return f"quantization={config.quantization} backend={config.attention_backend} dtype={config.dtype}"
+
+
+def int8_matmuls(config: EngineConfig, dtype: torch.dtype, has_4bit: bool) -> tuple[str, ...]:
+    """The matmuls that run w8a8 where the int4 kernel leaves them: all with --quantization w8a8; by default the
+    lm_head, in a bf16 model from a 4-bit file or where dispatch.auto_fp32 says; none without an exact int8 product."""
+    int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
+        (has_4bit and dtype == torch.bfloat16) or dispatch.auto_fp32(config.dtype, dtype))) else ()
+    if int8 and not kernels.int8_available():  # no exact int8 product here: no int8 at all
+        if config.quantization == "w8a8":
+            raise ValueError("--quantization w8a8 needs pagedllm's C++ kernels on a CPU with AVX2 (or VNNI, AMX):"
+                             " without them int8 products saturate")
+        return ()
+    return int8
 
 
 def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
@@ -101,35 +114,16 @@ class ModelRunner:
         # bf16: the file's 4-bit weights (and with them the int8 lm_head below) as before; fp32: only for its kernel
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference" and (
             dtype == torch.bfloat16 or Int4Weight.kernel_available(dtype, kernels.load()))
-        loaded = load_model(config.model, dtype, keep_4bit=keep_4bit)
-        int8 = INT8_MATMULS if config.quantization == "w8a8" else INT8_DEFAULT if (config.quantization == "auto" and (
-            (loaded.q4_weights and dtype == torch.bfloat16) or dispatch.auto_fp32(config.dtype, dtype))) else ()
-        if int8 and not kernels.int8_available():  # no exact int8 product here: no int8 at all
-            if config.quantization == "w8a8":
-                raise ValueError("--quantization w8a8 needs pagedllm's C++ kernels on a CPU with AVX2 (or VNNI, AMX):"
-                                 " without them int8 products saturate")
-            int8 = ()
-        kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
-        num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
-            loaded.config, config.block_size, kv_dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
-        if config.attention_backend != "reference":
-            is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
-        # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
-        # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
-        # Read when oneDNN makes its first primitive (the build below): room for every bounded shape where the
-        # measured dispatch chose them (re-creating primitives cost more than padding), else 32 (performance.md).
-        variant = kernel_variant(config)
-        os.environ.setdefault(dispatch.CAPACITY_ENV, str(dispatch.primitive_cache_capacity(
-            ONEDNN_PRIMITIVE_CACHE_CAPACITY, dtype, loaded.name, variant)))
-        checkpoint_bytes = loaded.nbytes()  # before the build consumes the loader's tensors
-        build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
-        model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8)
-        dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
-        if model.ext is not None:  # which attention kernel each sequence takes, measured
-            model.attention_route, _ = attention_dispatch.tune(
-                AttentionShape.of(loaded.config, dtype, kv_dtype, config.block_size))
+        with heap.build_in_heap():  # the load's and the build's temporaries reuse the memory freed before them
+            loaded = load_model(config.model, dtype, keep_4bit=keep_4bit)
+            kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
+            num_blocks = config.num_blocks or config.kv_cache_bytes // kv_bytes_per_block(
+                loaded.config, config.block_size, kv_dtype)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
+                                 f"{config.block_size} tokens")
+            checkpoint_bytes = loaded.nbytes()  # before the build consumes the loader's tensors
+            model = cls.build_model(config, loaded, dtype, kv_dtype)
         heap.trim_after_build(checkpoint_bytes)  # the loader's plain weights and the forms no route takes: freed
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
@@ -142,6 +136,28 @@ class ModelRunner:
         runner.governor = governor
         runner.adapters.capacity = config.max_cpu_loras
         return runner, loaded.tokenizer, loaded.name
+
+    @staticmethod
+    def build_model(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, kv_dtype: torch.dtype) -> CausalLM:
+        """The model from the loader's tensors (consumed), each matmul's and attention's kernel measured here."""
+        int8 = int8_matmuls(config, dtype, bool(loaded.q4_weights))
+        if config.attention_backend != "reference":
+            is_fast_path_available()  # compile (or load the cached build of) the C++ kernels
+        # oneDNN caches a primitive, with its own buffers, per matmul shape, 1,024 of them by default; every step
+        # size is a new shape, so a server's RSS grew for as long as new sizes came (~0.2 MiB a request, soak test).
+        # Read when oneDNN makes its first primitive (the build below): room for every bounded shape where the
+        # measured dispatch chose them (re-creating primitives cost more than padding), else 32 (performance.md).
+        variant = kernel_variant(config)
+        os.environ.setdefault(dispatch.CAPACITY_ENV, str(dispatch.primitive_cache_capacity(
+            ONEDNN_PRIMITIVE_CACHE_CAPACITY, dtype, loaded.name, variant)))
+        build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
+        planned = dispatch.planned_forms(dtype, loaded.name, variant)  # the forms the cached routes take, or None
+        model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned)
+        dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
+        if model.ext is not None:  # which attention kernel each sequence takes, measured
+            model.attention_route, _ = attention_dispatch.tune(
+                AttentionShape.of(loaded.config, dtype, kv_dtype, config.block_size))
+        return model
 
     @property
     def model_config(self) -> ModelConfig:

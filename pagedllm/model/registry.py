@@ -5,7 +5,7 @@ FAMILIES; the class is imported only when a model of its family is built, so the
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagedllm.model.attention import AttentionRoute
+    from pagedllm.model.dispatch import PlannedForms
     from pagedllm.model.llama import AttentionMetadata
     from pagedllm.model.loader import ModelConfig, Q4Weight
     from pagedllm.model.lora import LoRABatch, LoRAStack
@@ -68,7 +69,7 @@ class CausalLMClass(Protocol):
 
     def __call__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
-                 int8: Collection[str] = ()) -> CausalLM: ...
+                 int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None) -> CausalLM: ...
 
 
 def unsupported(found: object, source: str, supported: Collection[str] = SUPPORTED_ARCHITECTURES,

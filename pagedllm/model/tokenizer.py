@@ -11,15 +11,15 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
 from pagedllm.model.gguf_vocab import gguf_backend
+
+if TYPE_CHECKING:
+    import jinja2
 
 # Control tokens that end a turn; llama.cpp treats them as end-of-generation by their text.
 _END_OF_GENERATION_TEXTS = (
@@ -297,7 +297,10 @@ def _set_post_processor(
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandboxed environment transformers uses."""
+    """Compile a chat template in the sandboxed environment transformers uses (jinja2 imported here: its import,
+    0.15 s, is not on the way to an engine's first plain prompt)."""
+    import jinja2.ext
+    import jinja2.sandbox
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
