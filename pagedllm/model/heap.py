@@ -57,7 +57,8 @@ def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> None:
 def build_in_heap() -> Iterator[None]:
     """Serve the allocations of a model's build from the heap, where freed blocks are reused without faulting their
     pages in again; glibc's steady-state thresholds once the last build under way ends (the KV pool, allocated
-    after, is mapped as before). The default model's load and build: 1.9-2.1 s instead of 2.2-2.7 (Zen 3)."""
+    after, is mapped as before). The default model's load and build pieces: 0.77 s instead of 1.21, AMD EPYC Zen 3
+    (docs/results/side_by_side/2026-11-30/startup_build/probes/build_pieces.py)."""
     global _builds
     with _builds_lock:
         _builds += 1
