@@ -96,7 +96,8 @@ class Int4Weight:
 
 def transposed(plain: torch.Tensor, rows: int = 256) -> torch.Tensor:
     """plain.t().contiguous(), copied `rows` rows at a time: in one call torch's copy strides across the whole output
-    (a 49,152 x 576 lm_head: 0.09-0.16 s against 0.04-0.10 in blocks, AMD EPYC Zen 3)."""
+    (a 49,152 x 576 lm_head: 0.09-0.17 s against 0.04-0.05 in blocks of 256 rows, AMD EPYC Zen 3:
+    docs/results/side_by_side/2026-11-30/startup_build/probes/transpose_blocks.py)."""
     out = plain.new_empty(plain.shape[1], plain.shape[0])
     for i in range(0, plain.shape[0], rows):
         out[:, i:i + rows] = plain[i:i + rows].t()
