@@ -10,6 +10,7 @@ PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import math
@@ -35,7 +36,10 @@ logger = logging.getLogger("pagedllm")
 
 # Part of a table's key: changed when a kernel's speed changes enough that an old route no longer holds, or the table's
 # fields change.
-ATTENTION_VERSION = "2"  # 2: steps of few sequences timed as a mix of 1 to 4T-1 sequences, not one of 512 tokens
+# 2: steps of few sequences timed as a mix of 1 to 4T-1 sequences, not one of 512 tokens; 3: each kind of step
+# bisected between its ends, the two kinds in turn (the few-sequence steps' counts first had spent the budget on Zen 3,
+# and busy steps then took the hand-set route, or a guess from 1-2 counts)
+ATTENTION_VERSION = "3"
 FORCE_ENV = "PAGEDLLM_ATTENTION"  # measured (default) | static
 # Queries per sequence timed; rows = queries x query heads per kv head. Every count to 4 and 6: a verification of k
 # drafts has k + 1 queries (4 by default), and between timed counts the boundary is only guessed.
@@ -48,9 +52,10 @@ BUSY_CONTEXTS = (100, 1000)  # each sequence's context, drawn from this range (s
 PROMPT = 512  # the tiled kernel's two forms compared on one prompt of this many tokens
 SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one warm-up; the fastest counts
 MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
-TILE_WINS_TO_STOP = 2  # the tiled kernel faster at this many query counts in a row: bigger ones are its too
 TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
-BUDGET_S = 0.5  # measuring stops at the next query count past this; the counts timed decide (0.28-0.42 s on a Zen 5)
+# Measuring stops at the next query count past this; the counts timed decide. Both regimes bisected to the end took
+# 0.74-0.80 s on Zen 3 (fp32 queries, where the row kernel wins up to 72-96 rows): 0.6 s leaves one count out there.
+BUDGET_S = 0.6
 REGIMES = ("busy", "few")
 REGIME_TEXT = {"busy": f"{BUSY_SEQS_PER_THREAD} sequences per thread, contexts of "
                        f"{BUSY_CONTEXTS[0]}-{BUSY_CONTEXTS[1]} tokens",
@@ -93,6 +98,7 @@ class AttentionTable:
     rows: dict[str, list[int]]  # per regime: the query rows timed, ascending
     times: dict[str, dict[str, list[float]]]  # per regime, per kernel ("rows", "tile"): seconds per call
     tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" / "fp32": where both exist
+    top_rows: int = 0  # the most query rows a regime's timing would reach (QUERY_COUNTS[-1] x the query group)
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     load: float = 0.0
@@ -100,9 +106,18 @@ class AttentionTable:
 
     def route(self) -> AttentionRoute:
         pairs = self.tile_forms.get("pairs", 0.0) * (1 + TIE) < self.tile_forms.get("fp32", math.inf)
-        busy, few = (crossover(self.rows[r], self.times[r]) if self.rows.get(r) else None for r in REGIMES)
-        return AttentionRoute(busy or STATIC_ROUTE.tile_min_rows, few or STATIC_ROUTE.few_tile_min_rows,
-                              pairs or "pairs" not in self.tile_forms)
+        busy, few = (self.boundary(r, static) for r, static in zip(REGIMES, (STATIC_ROUTE.tile_min_rows,
+                                                                             STATIC_ROUTE.few_tile_min_rows)))
+        return AttentionRoute(busy, few, pairs or "pairs" not in self.tile_forms)
+
+    def boundary(self, regime: str, static: int) -> int:
+        """The regime's crossover; where the budget ran out before its biggest count and the row kernel won the last
+        one timed, that is a lower bound only: the hand-set boundary if it is higher; nothing timed, the hand-set."""
+        rows = self.rows.get(regime)
+        if not rows:
+            return static
+        bound = crossover(rows, self.times[regime])
+        return max(bound, static) if bound == rows[-1] + 1 and rows[-1] < self.top_rows else bound
 
     def summary(self) -> str:
         route = self.route()
@@ -145,7 +160,8 @@ class _Step:
     lens: torch.Tensor
 
     @classmethod
-    def build(cls, shape: AttentionShape, lens: list[int], gen: torch.Generator) -> _Step:
+    def build(cls, shape: AttentionShape, lens: list[int], gen: torch.Generator, layers: int | None = None) -> _Step:
+        """`layers` copies (default: as many as fill cold_bytes() alone)."""
         bs = shape.block_size
         blocks = [math.ceil(n / bs) for n in lens]
         order = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
@@ -155,7 +171,7 @@ class _Step:
             tables[s, :b] = order[taken:taken + b]
             taken += b
         one = _cache(shape, sum(blocks), gen)
-        layers = max(MIN_LAYERS, math.ceil(cold_bytes() / (2 * one.numel() * one.element_size())))
+        layers = layers or layer_copies(shape, [lens])
         pools = tuple(one.repeat(layers, 1, 1, 1) for _ in range(2))
         return cls(shape, pools, [tables + i * sum(blocks) for i in range(layers)],
                    torch.tensor(lens, dtype=torch.int32))
@@ -167,6 +183,16 @@ class _Step:
         starts = torch.arange(0, q.shape[0] + 1, queries, dtype=torch.int32)
         return [functools.partial(cpp_attention, q, *self.pools, table, self.lens, starts, s.head_dim ** -0.5,
                                   queries, route) for table in self.tables]
+
+
+def layer_copies(shape: AttentionShape, contexts: list[list[int]]) -> int:
+    """Layer copies of steps with these contexts, run in turn (together), so that between two calls on one copy
+    cold_bytes() of keys and values are read: the few-sequence steps each filled it alone first (193 MiB built in 0.11
+    s on Zen 3, 64 MiB now)."""
+    row = kv_record_len(shape.head_dim) if shape.kv_dtype == torch.uint8 else shape.head_dim
+    size = torch.empty(0, dtype=shape.kv_dtype).element_size()
+    blocks = sum(math.ceil(n / shape.block_size) for lens in contexts for n in lens)
+    return max(MIN_LAYERS, math.ceil(cold_bytes() / (2 * blocks * shape.block_size * shape.kv_heads * row * size)))
 
 
 def cold_bytes() -> int:
@@ -211,12 +237,13 @@ def _run_all(calls: list[Callable[[], object]]) -> None:
 
 
 def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = BUDGET_S) -> AttentionTable:
-    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then per regime (steps of few sequences
-    first: they cost least) the row and tiled kernels at QUERY_COUNTS, stopping where the tiled kernel has won
-    TILE_WINS_TO_STOP in a row or the budget is spent."""
+    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then the row and tiled kernels at
+    QUERY_COUNTS in each regime, the two in turn, each coarse to fine (next_count): a spent budget costs both their
+    boundaries' resolution, not one regime its measurement."""
     ext = kernels.load()  # built (or loaded) before the clock starts
     start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
-    table = AttentionTable(rows={r: [] for r in REGIMES}, times={r: {"rows": [], "tile": []} for r in REGIMES})
+    table = AttentionTable(rows={r: [] for r in REGIMES}, times={r: {"rows": [], "tile": []} for r in REGIMES},
+                           top_rows=QUERY_COUNTS[-1] * shape.group)
     pairs = True
     if shape.dtype == shape.kv_dtype == torch.bfloat16 and ext.tile_pairs_supported():
         prompt = _Step.build(shape, [PROMPT], gen)
@@ -224,20 +251,49 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
         table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)
         pairs = table.route().tile_pairs
     kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, pairs), "tile": AttentionRoute(1, 1, pairs)}
-    for regime in ("few", "busy"):
-        steps, wins = [_Step.build(shape, lens, gen) for lens in step_contexts(regime, gen)], 0
-        for queries in QUERY_COUNTS:
-            if wins >= TILE_WINS_TO_STOP or time.perf_counter() - start > budget_s:
-                break
-            rows = queries * shape.group
-            best = time_kernels({k: together([s.runs(queries, route, gen) for s in steps])
-                                 for k, route in kernel_routes.items()}, regime, rows, timer)
-            table.rows[regime].append(rows)
-            for kernel, seconds in best.items():
-                table.times[regime][kernel].append(seconds)
-            wins = wins + 1 if best["tile"] <= best["rows"] else 0
+    steps: dict[str, list[_Step]] = {}
+    won: dict[str, dict[int, bool]] = {r: {} for r in REGIMES}  # per regime: QUERY_COUNTS index -> tiled won
+    while todo := [(r, i) for r in ("few", "busy") if (i := next_count(won[r])) is not None]:
+        for regime, i in todo:
+            if time.perf_counter() - start > budget_s:
+                table.seconds = round(time.perf_counter() - start, 3)
+                return table
+            if regime not in steps:
+                contexts = step_contexts(regime, gen)
+                steps[regime] = [_Step.build(shape, lens, gen, layer_copies(shape, contexts)) for lens in contexts]
+            queries = QUERY_COUNTS[i]
+            best = time_kernels({k: together([s.runs(queries, route, gen) for s in steps[regime]])
+                                 for k, route in kernel_routes.items()}, regime, queries * shape.group, timer)
+            won[regime][i] = best["tile"] <= best["rows"]
+            add_count(table, regime, queries * shape.group, best)
     table.seconds = round(time.perf_counter() - start, 3)
     return table
+
+
+def next_count(won: dict[int, bool]) -> int | None:
+    """The QUERY_COUNTS index a regime times next: the fewest queries, then the most, then midway between the
+    last count the row kernel won and the next one timed (the tiled kernel's); None once those two are adjacent or
+    one kernel won at the end that decides (the tiled kernel at the fewest, the row kernel at the most)."""
+    last = len(QUERY_COUNTS) - 1
+    if 0 not in won:
+        return 0
+    if won[0]:
+        return None
+    if last not in won:
+        return last
+    if not won[last]:
+        return None
+    low = max(i for i, tile in won.items() if not tile)
+    high = min(i for i in won if i > low)
+    return (low + high) // 2 if high - low > 1 else None
+
+
+def add_count(table: AttentionTable, regime: str, rows: int, best: dict[str, float]) -> None:
+    """One timed count into the regime's rows and times, kept ascending."""
+    at = bisect.bisect(table.rows[regime], rows)
+    table.rows[regime].insert(at, rows)
+    for kernel, seconds in best.items():
+        table.times[regime][kernel].insert(at, seconds)
 
 
 def load(key: dict[str, str]) -> AttentionTable | None:

@@ -18,7 +18,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.model import attention_dispatch, dispatch, heap, kernels
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.attention_dispatch import AttentionShape
-from pagedllm.model.layers import INT4_MAX_ROWS, Int4Weight
+from pagedllm.model.layers import Int4Weight
 from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import LoadedModel, ModelConfig, load_model
 from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_adapter
@@ -126,9 +126,10 @@ class ModelRunner:
             model = cls.build_model(config, loaded, dtype, kv_dtype)
         heap.trim_after_build(checkpoint_bytes)  # the loader's plain weights and the forms no route takes: freed
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
-        logger.info("loaded %s (%s, %d matmuls with 4-bit weights for batches of up to %d rows, int8 above: %s), "
-                    "%d KV blocks of %d tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
-                    INT4_MAX_ROWS, ", ".join(sorted(model.int8)) or "none",
+        # which form each batch size takes is the kernels line's (dispatch.tune), not a fixed cut-off
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights, an int8 form: %s), %d KV blocks of %d tokens (%s)",
+                    loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
+                    ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:
             model.lora = LoRAStack(loaded.config, config.max_loras, config.max_lora_rank, dtype, model.ext)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,13 +54,41 @@ def crossing_at(busy: int, few: int, calls: list | None = None) -> ad.Timer:
 def test_the_tiled_kernel_takes_over_where_it_is_faster_in_each_kind_of_step(ext):
     calls = []
     table = ad.measure(SHAPE, crossing_at(busy=40, few=10, calls=calls))
-    assert table.rows["busy"] == [3, 6, 9, 12, 18, 24, 36, 48, 72] and table.rows["few"] == [3, 6, 9, 12, 18]
+    # each regime bisected between its ends (3 and 192 rows) down to adjacent counts either side of its crossing
+    assert table.rows["busy"] == [3, 24, 36, 48, 72, 192] and table.rows["few"] == [3, 9, 12, 24, 192]
     route = table.route()
-    # busy: the row kernel won at 36 rows, the tiled one at 48 and 72: the boundary at their geometric midpoint
+    # busy: the row kernel won at 36 rows, the tiled one at 48: the boundary at their geometric midpoint
     assert route == AttentionRoute(math.isqrt(36 * 48) + 1, math.isqrt(9 * 12) + 1, True)
     assert not table.tile_forms and not any(what == "prompt" for what, _, _ in calls)  # fp32: one tile form
     # each count: a warm-up and ad.SAMPLES samples per kernel, interleaved
     assert calls[:4] == [("few", "rows", 3), ("few", "tile", 3)] * 2
+    # the regimes in turn, each count once
+    counts = list(dict.fromkeys((what, rows) for what, _, rows in calls))
+    assert counts[:6] == [("few", 3), ("busy", 3), ("few", 192), ("busy", 192), ("few", 24), ("busy", 24)]
+
+
+def fake_clock(monkeypatch, timer: ad.Timer) -> ad.Timer:
+    """measure's clock advanced by each fake call's seconds."""
+    now = [0.0]
+    monkeypatch.setattr(ad, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def timed(what, kernel, rows, run):
+        seconds = timer(what, kernel, rows, run)
+        now[0] += seconds
+        return seconds
+    return timed
+
+
+def test_a_spent_budget_costs_both_regimes_resolution_not_their_measurement(ext, monkeypatch):
+    """Calls cost their fake seconds: the few-sequence steps' 3 rows take 50, the busy ones' 170, the 192 rows 806
+    and 926. A budget spent by the ends leaves each regime its ends (the boundary between them); one spent after
+    the first count each, where the row kernel won, keeps the hand-set route (that count is a lower bound only)."""
+    timer = fake_clock(monkeypatch, crossing_at(busy=40, few=10))
+    table = ad.measure(SHAPE, timer, budget_s=1500)
+    assert table.rows == {"busy": [3, 192], "few": [3, 192]}
+    assert table.route() == AttentionRoute(math.isqrt(3 * 192) + 1, math.isqrt(3 * 192) + 1, True)
+    short = ad.measure(SHAPE, timer, budget_s=100)
+    assert short.rows == {"busy": [3], "few": [3]} and short.route() == STATIC_ROUTE
 
 
 def test_steps_of_few_sequences_are_timed_as_a_mix_up_to_one_short_of_four_per_thread(two_threads):
@@ -75,10 +104,10 @@ def test_steps_of_few_sequences_are_timed_as_a_mix_up_to_one_short_of_four_per_t
     assert ran == ["a0", "b0", "a1", "b0"]
 
 
-def test_timing_stops_after_the_tiled_kernel_wins_twice_in_a_row(ext):
+def test_a_regime_the_tiled_kernel_wins_at_its_fewest_queries_times_nothing_more(ext):
     calls = []
     ad.measure(SHAPE, crossing_at(busy=1, few=1, calls=calls))
-    assert {rows for what, _, rows in calls if what == "busy"} == {3, 6}
+    assert {rows for what, _, rows in calls if what == "busy"} == {3}
 
 
 @pytest.mark.parametrize(("busy", "expected"), [(1, 1), (10**6, 3 * 64 + 1)],

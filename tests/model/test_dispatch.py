@@ -28,6 +28,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
     monkeypatch.setattr(machine_cache, "_unsaved", {})
     monkeypatch.setattr(kernel_timing, "BUDGET_S", math.inf)  # fake times are no seconds: budget tests pass their own
+    monkeypatch.setattr(kernel_timing, "LONG_CALL_S", math.inf)  # nor long calls: that test sets its own
     yield
 
 
@@ -109,6 +110,25 @@ def test_a_spent_budget_still_finds_where_the_small_batch_kernel_stops_winning(e
     assert timer.calls["qkv", "onednn", 1024] == timer.calls["qkv", "int8", 1024] == kernel_timing.ANCHOR_SAMPLES + 1
     assert t.winners("qkv") == ["int8"] * 4 + ["onednn"] * 7  # 8 rows nearer 4 than 32, 16 nearer 32
     assert t.route("qkv") == ((11, "int8"), (BIGGEST, "onednn"))
+
+
+def test_a_long_warm_up_is_its_paths_first_sample(ext, monkeypatch):
+    """Where every path's warm-up call takes LONG_CALL_S or more (what it pays once is a small part of it), it
+    counts as the first sample and each path is called once fewer there: at the biggest row count once, then its
+    other samples; shorter calls keep their warm-up apart. A call costs 1 s a row; the first at 512 rows is faster
+    (400 s), and is the one kept."""
+    monkeypatch.setattr(kernel_timing, "LONG_CALL_S", 100.0)
+    monkeypatch.setattr(kernel_timing, "BUCKETS", (1, 8, 64, 512))
+
+    class FirstFaster(FakeTimer):
+        def __call__(self, kind, path, rows, run):
+            seconds = super().__call__(kind, path, rows, run)
+            return 400.0 if rows == 512 and self.calls[kind, path, rows] == 1 else seconds
+    timer = FirstFaster({"int8": 1.0, "onednn": 1.0})
+    t = dispatch.measure(weights(ext, layers=1), torch.float32, timer)
+    assert timer.calls["qkv", "int8", 512] == timer.calls["qkv", "onednn", 512] == kernel_timing.SAMPLES
+    assert timer.calls["qkv", "int8", 64] == timer.calls["qkv", "onednn", 64] == kernel_timing.SAMPLES + 1
+    assert t.times["qkv"]["int8"][-1] == t.times["qkv"]["onednn"][-1] == 400.0
 
 
 @pytest.mark.parametrize("budget, timed, at_512", [(50, {1, 512}, kernel_timing.ANCHOR_SAMPLES + 1),
@@ -452,10 +472,22 @@ def test_new_row_counts_are_new_to_the_process(ext):
     rounds = []
     for _ in range(2):
         timer = creation_costing(1.0)
-        dispatch.measure_shapes(weights(ext), table({"o": {"onednn": [1.0]}}, [1]), torch.float32, timer)
+        dispatch.measure_shapes(weights(ext), table({"o": {"onednn": [1.0]}}, [1]), torch.float32, timer,
+                                budget_s=math.inf)
         rounds.append({rows for _, path, rows in timer.calls if path == "onednn_cold"})
     assert len(rounds[0]) == len(dispatch.FRESH_ROWS) and not rounds[0] & rounds[1]
     assert all(r % 2 and r > 16 and dispatch.padded_rows(r) != r for r in rounds[0] | rounds[1])
+
+
+@pytest.mark.parametrize("budget, counts", [(1.0, 1), (10.0, 3)])
+def test_a_row_count_whose_calls_would_pass_the_budget_is_not_timed(ext, budget, counts):
+    """A fresh row count's three calls are projected from the table's oneDNN time (0.01 s a call at 1 row here, in
+    proportion to the rows: 0.69 s at ~23 rows, 1.35 s at ~45, 2.7 s at ~91): past the budget it is not timed (the
+    first always is)."""
+    timer = creation_costing(0.0)
+    dispatch.measure_shapes(weights(ext), table({"o": {"onednn": [0.01]}}, [1]), torch.float32, timer,
+                            budget_s=budget)
+    assert len({rows for _, path, rows in timer.calls if path == "onednn_cold"}) == counts
 
 
 def test_new_row_counts_are_where_the_route_runs_onednn():
@@ -473,7 +505,7 @@ def test_bounded_shapes_are_timed_where_the_route_runs_onednn(ext):
     timer = creation_costing(1.0)
     t = table({"qkv": {"int8": [1.0, 9.0], "onednn": [2.0, 1.0]}}, [1, 1024])
     assert t.route("qkv") == ((32, "int8"), (BIGGEST, "onednn"))
-    dispatch.measure_shapes(weights(ext), t, torch.float32, timer)
+    dispatch.measure_shapes(weights(ext), t, torch.float32, timer, budget_s=math.inf)
     timed = {rows for _, path, rows in timer.calls if path == "onednn_cold"}
     assert len(timed) == len(dispatch.FRESH_ROWS) and min(timed) > 32
 
