@@ -15,7 +15,10 @@ from pagedllm.model.layers import PackedWeight
 # int8: csrc/int8_gemm.cpp (VNNI or AVX2); int8_mm: oneDNN's; bf16_plain: torch's bf16 matmul where oneDNN has none
 PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm", "bf16_plain")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
-LM_HEAD_BUCKETS = BUCKETS[:9]  # the lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256)
+# The lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256). Its biggest timed row count is 128:
+# 129-256 take that one's winner. At 64, 128 and 256 rows every table measured had one winner (the Intel Xeon without
+# BF16, Zen 5 at 135M and 1B, Zen 3), its time in proportion to the rows; timing 256 took a quarter of the budget here.
+LM_HEAD_BUCKETS = BUCKETS[:8]
 SAMPLES = 3  # timed calls per path and row count, interleaved across paths, after one warm-up; the fastest counts
 # Up to COLD_MAX_ROWS rows a call is timed over COLD_WEIGHTS layers' weights of its kind in turn, other layers at each
 # sample, as a step reads them (from memory, not from the cache a repeated call leaves one in: bf16_gemm's gain over
@@ -34,9 +37,9 @@ MAX_ROWS = {"bf16_plain": 64}
 # issue's aim is 3 s. (2.5 s until 2026-11-30, when long warm-ups were not yet kept: LONG_CALL_S.)
 BUDGET_S = 1.8
 ANCHOR_SAMPLES = 1  # so that a spent budget costs the table resolution, not its big batches' winner
-# A warm-up call at least this long is kept as its path's first sample: what it pays once (a new oneDNN primitive,
-# 0.6-2 ms a kind on Zen 3: the bounded-shapes decision's figures) is within 4% of it. The lm_head's biggest row
-# count (0.15-0.17 s a call on Zen 3) took 0.64 s of the 2.5-s budget with its warm-ups.
+# A warm-up call at least this long is kept as one of its path's samples (where more than one is taken, one call
+# fewer): what it pays once (a new oneDNN primitive, 0.6-2 ms a kind on Zen 3: the bounded-shapes decision's figures)
+# is within 4% of it.
 LONG_CALL_S = 0.05
 
 # One timed call: (kind, path, rows, run) -> seconds. Tests pass fake timings.
@@ -196,10 +199,10 @@ def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: i
     groups = sample_groups(weights, rows, samples_per_path + warm)
     x = torch.randn(rows, weights[0].shape[1]).to(dtype)
     samples: dict[str, list[float]] = {p: [] for p in paths}
-    long_warm = False  # every warm-up call at least LONG_CALL_S: they are the first samples, one call fewer each
+    long_warm = False  # every warm-up call at least LONG_CALL_S: each is a sample
     for n, group in enumerate(groups):
-        if long_warm and n == len(groups) - 1:
-            break
+        if long_warm and samples_per_path > 1 and n == len(groups) - 1:
+            break  # one call fewer: a single sample stays two calls (one call's time swung by 1.6x on Zen 3)
         for p in paths:
             samples[p].append(timer(kind, p, rows, functools.partial(_run, group, x, p)) / len(group))
         long_warm = long_warm or (n == 0 and warm and all(s[0] * len(group) >= LONG_CALL_S for s in samples.values()))

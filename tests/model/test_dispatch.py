@@ -112,23 +112,24 @@ def test_a_spent_budget_still_finds_where_the_small_batch_kernel_stops_winning(e
     assert t.route("qkv") == ((11, "int8"), (BIGGEST, "onednn"))
 
 
-def test_a_long_warm_up_is_its_paths_first_sample(ext, monkeypatch):
+def test_a_long_warm_up_is_one_of_its_paths_samples(ext, monkeypatch):
     """Where every path's warm-up call takes LONG_CALL_S or more (what it pays once is a small part of it), it
-    counts as the first sample and each path is called once fewer there: at the biggest row count once, then its
-    other samples; shorter calls keep their warm-up apart. A call costs 1 s a row; the first at 512 rows is faster
-    (400 s), and is the one kept."""
-    monkeypatch.setattr(kernel_timing, "LONG_CALL_S", 100.0)
+    counts as a sample, and where several are taken each path is called once fewer: at 64 rows SAMPLES calls, at
+    8 (short calls) a warm-up and SAMPLES; the biggest row count's single sample stays two calls (then its other
+    samples). A call costs 1 s a row; each path's first call at 64 and 512 rows is faster, and is the one kept."""
+    monkeypatch.setattr(kernel_timing, "LONG_CALL_S", 50.0)
     monkeypatch.setattr(kernel_timing, "BUCKETS", (1, 8, 64, 512))
 
     class FirstFaster(FakeTimer):
         def __call__(self, kind, path, rows, run):
             seconds = super().__call__(kind, path, rows, run)
-            return 400.0 if rows == 512 and self.calls[kind, path, rows] == 1 else seconds
+            return seconds - 10 if rows >= 64 and self.calls[kind, path, rows] == 1 else seconds
     timer = FirstFaster({"int8": 1.0, "onednn": 1.0})
     t = dispatch.measure(weights(ext, layers=1), torch.float32, timer)
-    assert timer.calls["qkv", "int8", 512] == timer.calls["qkv", "onednn", 512] == kernel_timing.SAMPLES
-    assert timer.calls["qkv", "int8", 64] == timer.calls["qkv", "onednn", 64] == kernel_timing.SAMPLES + 1
-    assert t.times["qkv"]["int8"][-1] == t.times["qkv"]["onednn"][-1] == 400.0
+    calls = {rows: {timer.calls["qkv", p, rows] for p in ("int8", "onednn")} for rows in (8, 64, 512)}
+    assert calls == {8: {kernel_timing.SAMPLES + 1}, 64: {kernel_timing.SAMPLES},
+                     512: {kernel_timing.ANCHOR_SAMPLES + 1 + kernel_timing.SAMPLES - kernel_timing.ANCHOR_SAMPLES}}
+    assert [t.times["qkv"][p][2:] for p in ("int8", "onednn")] == [[54.0, 502.0]] * 2
 
 
 @pytest.mark.parametrize("budget, timed, at_512", [(50, {1, 512}, kernel_timing.ANCHOR_SAMPLES + 1),
