@@ -78,25 +78,40 @@ class DecoderLayer:
 
 class Consumed:
     """The loader's weights, taken one by one in the model's dtype: each leaves the dict (and, its last holder gone,
-    memory) as its layer is built, so a checkpoint's plain weights and their packed forms are never all held at once."""
+    memory) as its layer is built, so a checkpoint's plain weights and their packed forms are never all held at once.
+    A GGUF's 4-bit weights (`q4`) give their dense rows only when taken, where a form needs them."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 q4: dict[str, Q4Weight] | None = None) -> None:
         self.weights = weights
         self.dtype = dtype
+        self.q4 = q4 if q4 is not None else {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weights
+        return name in self.weights or name in self.q4
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weights[name].shape) if name in self.weights else tuple(self.q4[name].q.shape)
+
+    def _take(self, name: str) -> torch.Tensor:
+        return self.weights.pop(name) if name in self.weights else self.q4.pop(name).values()
 
     def pop(self, name: str) -> torch.Tensor:
         """For a weight built into other forms: it may still share the loader's memory."""
-        return self.weights.pop(name).to(self.dtype).contiguous()
+        return self._take(name).to(self.dtype).contiguous()
 
     def keep(self, name: str) -> torch.Tensor:
         """For a tensor the model holds: in its own memory, since one read from a mapped file (safetensors) keeps the
         whole mapping, with every page the build read, resident for as long as it lives."""
-        stored = self.weights.pop(name)
+        stored = self._take(name)
         tensor = stored.to(self.dtype).contiguous()
         return tensor.clone() if tensor.data_ptr() == stored.data_ptr() else tensor
+
+    def drop(self, names: list[str]) -> None:
+        """Names whose dense rows no form needs: out of both dicts, never made."""
+        for name in names:
+            self.weights.pop(name, None)
+            self.q4.pop(name, None)
 
 
 class LlamaModel:
@@ -113,20 +128,20 @@ class LlamaModel:
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        w = Consumed(weights, dtype)
+        q4 = q4_weights if q4_weights is not None else {}  # a GGUF file's 4-bit weights, consumed as `weights`
+        w = Consumed(weights, dtype, q4)
         self.pack = attention_backend != "reference" and PackedWeight.available(dtype)
         # The C++ kernels (fused norm/rotary/SwiGLU, int4 matmul), except on the reference path (the torch oracle).
         self.ext = kernels.load() if attention_backend != "reference" else None
         # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
         self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
-        q4 = q4_weights if q4_weights is not None else {}  # a GGUF file's 4-bit weights, consumed as `weights`
         # the forms the cached kernel table's routes take (dispatch.planned_forms), if it was measured for these weights
-        self.planned = planned if planned and self.pack and self._plan_fits(weights, q4, planned) else {}
+        self.planned = planned if planned and self.pack and self._plan_fits(w, planned) else {}
         self.embed = w.keep("model.embed_tokens.weight")
         self.lm_head = w.keep("lm_head.weight") if "lm_head.weight" in w else self.embed
         self.lm_head_weight = self._packed(self.lm_head, "lm_head") if self.pack else self.lm_head
         self.norm = w.keep("model.norm.weight")
-        self.layers = [self._layer(w, q4, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype)
         self.lora: LoRAStack | None = None  # the resident adapters' weights (set by the runner with --enable-lora)
@@ -138,27 +153,36 @@ class LlamaModel:
         self.ops = ForwardOps(t("linear", linear), t("rotary", self.rotary), t("kv_write", write_kv),
                               t("attention", paged_attention), t("norm", add_rms_norm), t("activation", swiglu))
 
-    def _layer(self, w: Consumed, q4: dict[str, Q4Weight], i: int) -> DecoderLayer:
+    def _layer(self, w: Consumed, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
         names = {kind: [f"{p}{n}.weight" for n in parts] for kind, parts in MATMULS.items()}
         bias = torch.cat([w.pop(p + n + ".bias") for n in MATMULS["qkv"]]) if self.config.attention_bias else None
         return DecoderLayer(
             input_norm=w.keep(p + "input_layernorm.weight"),
-            qkv_weight=self._weight(w, q4, names["qkv"], "qkv"),
+            qkv_weight=self._weight(w, names["qkv"], "qkv"),
             qkv_bias=bias,
-            o_weight=self._weight(w, q4, names["o"], "o"),
+            o_weight=self._weight(w, names["o"], "o"),
             post_norm=w.keep(p + "post_attention_layernorm.weight"),
-            gate_up_weight=self._weight(w, q4, names["gate_up"], "gate_up"),
-            down_weight=self._weight(w, q4, names["down"], "down"),
+            gate_up_weight=self._weight(w, names["gate_up"], "gate_up"),
+            down_weight=self._weight(w, names["down"], "down"),
         )
 
-    def _weight(self, w: Consumed, q4: dict[str, Q4Weight], names: list[str], kind: str) -> Weight:
+    def _weight(self, w: Consumed, names: list[str], kind: str) -> Weight:
         """The named weights stacked by rows into one matmul: packed for oneDNN, with their 4-bit form when the
         checkpoint has one for each; plain torch on the reference path."""
-        kept = not self.pack or PackedWeight.widens(self.dtype)  # the plain rows are what the model holds
+        if not self.pack:
+            return torch.cat([w.pop(n) for n in names]) if len(names) > 1 else w.keep(names[0])
+        parts = self._int4_parts([w.q4[n] for n in names if n in w.q4], len(names))
+        shape = (sum(w.shape(n)[0] for n in names), w.shape(names[0])[1])
+        forms = self.possible_forms(shape, kind, parts is not None)
+        make = self._forms_to_make(kind, PackedWeight.shape_entry(shape, forms), forms)
+        if make == {"int4"} and not PackedWeight.widens(self.dtype):  # the 4-bit kernel alone reads no dense rows
+            w.drop(names)
+            return self._packed(torch.empty(shape, dtype=self.dtype, device="meta"), kind, parts, make)
+        kept = PackedWeight.widens(self.dtype)  # the plain rows are what the model holds
         plain = torch.cat([w.pop(n) for n in names]) if len(names) > 1 else (w.keep if kept else w.pop)(names[0])
-        stored = [q4.pop(n) for n in names if n in q4]
-        return self._packed(plain, kind, self._int4_parts(stored, len(names))) if self.pack else plain
+        w.drop(names)
+        return self._packed(plain, kind, parts, make)
 
     def _int4_parts(self, stored: list[Q4Weight], wanted: int) -> tuple[torch.Tensor, ...] | None:
         """The 4-bit parts of a stacked weight (values, scales, mins), if each of its `wanted` weights has them and
@@ -168,25 +192,27 @@ class LlamaModel:
         q, scale, min_ = (torch.cat([getattr(s, f) for s in stored]) for f in ("q", "scale", "min"))
         return (q, scale, min_) if Int4Weight.available(q, scale, min_, self.dtype, self.ext) else None
 
-    def _plan_fits(self, weights: dict[str, torch.Tensor], q4: dict[str, Q4Weight],
-                   planned: Mapping[str, PlannedForms]) -> bool:
+    def _plan_fits(self, w: Consumed, planned: Mapping[str, PlannedForms]) -> bool:
         """Each kind's first weight has the entry the cached table was measured for, so the engine reads that table
         after the build: a build for a table of other shapes would lack forms its own measurement needs."""
         names = {kind: [f"model.layers.0.{n}.weight" for n in parts] for kind, parts in MATMULS.items()}
-        names["lm_head"] = ["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"]
+        names["lm_head"] = ["lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"]
         for kind, found in names.items():
-            if kind not in planned or any(n not in weights for n in found):
+            if kind not in planned or any(n not in w for n in found):
                 return False
-            shape = (sum(weights[n].shape[0] for n in found), weights[found[0]].shape[1])
-            int4 = kind != "lm_head" and self._int4_parts([q4[n] for n in found if n in q4], len(found)) is not None
+            shape = (sum(w.shape(n)[0] for n in found), w.shape(found[0])[1])
+            stored = [w.q4[n] for n in found if n in w.q4]
+            int4 = kind != "lm_head" and self._int4_parts(stored, len(found)) is not None
             if planned[kind].entry != PackedWeight.shape_entry(shape, self.possible_forms(shape, kind, int4)):
                 return False
         return True
 
-    def _packed(self, plain: torch.Tensor, kind: str, q4: tuple[torch.Tensor, ...] | None = None) -> PackedWeight:
-        """The weight with each form it can have here, or only those its cached route takes."""
+    def _packed(self, plain: torch.Tensor, kind: str, q4: tuple[torch.Tensor, ...] | None = None,
+                make: frozenset[str] | None = None) -> PackedWeight:
+        """The weight with each form it can have here, or only those its cached route takes (`make`, if known)."""
         forms = self.possible_forms(tuple(plain.shape), kind, q4 is not None)
-        make = self._forms_to_make(kind, PackedWeight.shape_entry(tuple(plain.shape), forms), forms)
+        make = self._forms_to_make(kind, PackedWeight.shape_entry(tuple(plain.shape), forms), forms) \
+            if make is None else make
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
         int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if make & INT8_FORMS else None
         bf16 = Bf16Weight(plain, self.ext) if "bf16_gemm" in make else None

@@ -137,13 +137,13 @@ def test_fp32_int4_weights_are_the_loaders_bit_for_bit(tiny_model_dir, tmp_path,
     the fp32 weights the GGUF loader dequantizes (gguf.quants: (d * q) + m in fp32), through both schedules."""
     ext = f32_kernel()
     path = write_gguf(tiny_model_dir, str(tmp_path / f"tiny-{quant}.gguf"), quant=quant)
-    loaded = load_gguf(path, torch.float32, keep_4bit=True)
+    loaded, dense = load_gguf(path, torch.float32, keep_4bit=True), load_gguf(path, torch.float32)
     assert len(loaded.q4_weights) == 2 * 7
     for i in range(2):  # as the model stacks them (k and v alone are not whole tiles of 64 rows)
         for group in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                       ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]):
             names = [f"model.layers.{i}.{n}.weight" for n in group]
-            plain = torch.cat([loaded.weights[n] for n in names])
+            plain = torch.cat([dense.weights[n] for n in names])
             q4 = [loaded.q4_weights[n] for n in names]
             weight = Int4Weight(*(torch.cat([getattr(w, f) for w in q4]) for f in ("q", "scale", "min")), ext,
                                 torch.float32)

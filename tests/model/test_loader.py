@@ -426,7 +426,9 @@ def test_gguf_4bit_weights_as_stored(tiny_model_dir, tmp_path, quant):
         assert torch.equal(groups.view(rows, cols), plain.weights[name]), name
         assert torch.equal(w4.scale.half().float(), w4.scale) and torch.equal(w4.min.half().float(), w4.min)
         assert torch.allclose(plain.weights[name], hf.weights[name], atol=0.1 * hf.weights[name].abs().max()), name
-    for name, w in plain.weights.items():  # the dense forms beside the 4-bit ones: the same values
-        assert torch.equal(m.weights[name], w), name
+    assert not set(m.weights) & set(m.q4_weights)  # the 4-bit ones as stored only
+    for name, w in plain.weights.items():  # their dense rows, made when asked for: the same values
+        dense = m.q4_weights[name].values() if name in m.q4_weights else m.weights[name]
+        assert torch.equal(dense, w), name
     assert load_model(path, torch.float32).q4_weights == {}
     assert load_model(tiny_model_dir, torch.float32, keep_4bit=True).q4_weights == {}  # safetensors: none

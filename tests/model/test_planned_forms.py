@@ -14,6 +14,7 @@ from conftest import write_gguf
 
 from pagedllm import LLM, SamplingParams, config
 from pagedllm.model import dispatch, kernel_timing, kernels, machine_cache
+from pagedllm.model.loader import Q4Weight
 from pagedllm.model.model_runner import kernel_variant
 
 # the 4-bit kernel wins every row count it can take, then int8, then oneDNN: a weight with a 4-bit form routes all
@@ -63,12 +64,18 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_a_later_start_makes_only_the_routed_forms(q4_gguf):
+def test_a_later_start_makes_only_the_routed_forms(q4_gguf, monkeypatch):
+    dense = []  # the 4-bit weights whose dense rows were made (for the forms that read them)
+    values = Q4Weight.values
+    monkeypatch.setattr(Q4Weight, "values", lambda self: dense.append(self.q.shape) or values(self))
     first = engine(q4_gguf)  # measures: every form made, the unrouted ones dropped after
+    assert len(dense) == 2 * 7  # each projection of both layers
     made = forms(first)
     assert made["qkv"][0] == (frozenset({"int4"}), frozenset())
     assert made["lm_head"][0] == (frozenset({"int8"}), frozenset())
+    dense.clear()
     second = engine(q4_gguf)  # reads the table before its build
+    assert dense == []  # the 4-bit kernel alone takes every layer matmul: no dense rows made
     again = forms(second)
     assert again["qkv"][0] == (frozenset({"int4"}), frozenset({"onednn"}))
     model = second.engine.runner.model

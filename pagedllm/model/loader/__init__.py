@@ -47,7 +47,7 @@ def default_model_path() -> str:
 
 def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_4bit: bool = False) -> LoadedModel:
     """Load a HF model folder or a .gguf file (None: the default SmolLM2-135M-Instruct GGUF). With keep_4bit, a
-    GGUF file's Q4_0 / Q4_1 weights also come back as stored (`LoadedModel.q4_weights`)."""
+    GGUF file's Q4_0 / Q4_1 weights come back as stored instead (`LoadedModel.q4_weights`, not in `weights`)."""
     path, is_folder = checkpoint_path(model, "load")
     return load_hf_folder(path, dtype) if is_folder else load_gguf(path, dtype, keep_4bit)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.model.loader.gguf_blocks import q4_values
 from pagedllm.model.registry import family_of
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -53,6 +54,12 @@ class Q4Weight:
     q: torch.Tensor  # uint8 [out, in], values 0-15
     scale: torch.Tensor  # float32 [out, in / 32]
     min: torch.Tensor  # float32 [out, in / 32]
+    q4_0: bool = False  # stored as Q4_0: scale * (q - 8), min holding -8 * scale for the kernel
+
+    def values(self) -> torch.Tensor:
+        """float32 [out, in], as the file's dequantization rounds them: made only where a form needs the dense rows
+        (the 4-bit kernel alone does not: 0.14 s of the default model's load on Zen 3 went to rows no form read)."""
+        return q4_values(self.q, self.scale, None if self.q4_0 else self.min)
 
 
 @dataclass
@@ -63,7 +70,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names, in the requested dtype; no lm_head.weight when tied
     tokenizer: Tokenizer
     name: str
-    q4_weights: dict[str, Q4Weight] = field(default_factory=dict)  # HF names; only when asked for (keep_4bit)
+    # HF names; only when asked for (keep_4bit), and then not in `weights` (their dense rows: Q4Weight.values)
+    q4_weights: dict[str, Q4Weight] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """The bytes of its tensors as loaded (plain and 4-bit)."""
@@ -100,14 +108,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
-    """Keep exactly the expected tensors; fail naming the first missing or misshapen one."""
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str,
+                  q4_weights: dict[str, Q4Weight] | None = None) -> dict[str, torch.Tensor]:
+    """Keep exactly the expected tensors (those in `q4_weights` count as there); fail naming the first missing or
+    misshapen one."""
+    stored = {name: tuple(w.q.shape) for name, w in (q4_weights or {}).items()}
     checked = {}
     for name, shape in expected_shapes(config).items():
-        if name not in weights:
+        found = tuple(weights[name].shape) if name in weights else stored.get(name)
+        if found is None:
             raise ValueError(f"{source}: missing tensor {name}")
-        if tuple(weights[name].shape) != shape:
-            found = tuple(weights[name].shape)
+        if found != shape:
             raise ValueError(f"{source}: tensor {name} has shape {found}, expected {shape}")
-        checked[name] = weights[name]
+        if name in weights:
+            checked[name] = weights[name]
     return checked

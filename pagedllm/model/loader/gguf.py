@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.model.loader.common import LoadedModel, ModelConfig, Q4Weight, check_weights
-from pagedllm.model.loader.gguf_blocks import FAST_TYPES, dequantize_blocks, q4_parts, q4_values
+from pagedllm.model.loader.gguf_blocks import FAST_TYPES, dequantize_blocks, q4_parts
 from pagedllm.model.registry import gguf_family
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -171,7 +171,7 @@ def tensor_view(buf: mmap.mmap, info: TensorInfo, data_start: int, path: str) ->
 
 def load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedModel:
     """Config, weights in `dtype` (HF names, HF row order) and tokenizer of a GGUF file; with keep_4bit, its
-    Q4_0 / Q4_1 matrices also as stored."""
+    Q4_0 / Q4_1 matrices as stored instead (q4_weights; the dense rows made by the build where a form needs them)."""
     config, tokenizer, tensors = gguf_config(path)
     weights, q4_weights = {}, {}
     for gguf_name, tensor in tensors.items():
@@ -181,11 +181,10 @@ def load_gguf(path: str, dtype: torch.dtype, keep_4bit: bool = False) -> LoadedM
         heads = permuted_heads(gguf_name, config)
         if keep_4bit and tensor.tensor_type.name in Q4_TYPES and len(tensor.shape) == 2:
             q, d, m = q4_rows(tensor, heads)
-            q4_weights[name] = Q4Weight(q, d, -8 * d if m is None else m)
-            weights[name] = q4_values(q, d, m).to(dtype)  # the same values dequantize() gives
+            q4_weights[name] = Q4Weight(q, d, -8 * d if m is None else m, q4_0=m is None)
         else:
             weights[name] = dequantize(tensor, heads, path).to(dtype)
-    weights = check_weights(weights, config, path)
+    weights = check_weights(weights, config, path, q4_weights)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, weights, tokenizer, name, q4_weights)
 
