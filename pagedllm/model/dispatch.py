@@ -278,6 +278,11 @@ def apply(table: KernelTable, weights: dict[str, list[PackedWeight]]) -> None:
             w.keep_only(frozenset(p for _, p in route))
 
 
+def fits(table: KernelTable, weights: dict[str, list[PackedWeight]]) -> bool:
+    """Every weight has each form its kind's route takes (a planned build made only those of the table it read)."""
+    return all(frozenset(p for _, p in table.route(kind)) <= w.paths() for kind, ws in weights.items() for w in ws)
+
+
 def force(path: str, weights: dict[str, list[PackedWeight]]) -> None:
     """Every batch of every weight that has `path`'s form takes it; the others keep their static route."""
     for ws in weights.values():
@@ -334,6 +339,9 @@ def tune(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, model_name:
         how = f"read from {file} (as the build planned)"
         if table is None:
             raise RuntimeError(f"{file}: the kernel table this model was built for is gone; start again to measure")
+        if not fits(table, weights):
+            raise RuntimeError(f"{file}: the kernel table was replaced since this model's build, its routes taking "
+                               f"forms the build did not make; start again")
     if table is None:
         start = machine_cache.cpu_sample()
         with torch.inference_mode():

@@ -112,9 +112,9 @@ def test_a_table_for_other_shapes_plans_nothing(q4_gguf, caplog):
 
 
 def test_a_table_replaced_after_the_plan_is_read_as_planned_or_refused(q4_gguf, caplog):
-    """Between the plan and the tuning another process may rewrite the table (its shapes differ): the routes of the
-    table on disk are the ones the made forms fit, read regardless of its shapes; with no table at all the engine
-    cannot measure forms it never made, and says so."""
+    """Between the plan and the tuning another process may rewrite the table (its shapes differ): the table on disk
+    is read regardless of its shapes where its routes take only forms the build made; else, or with no table at all,
+    the engine cannot measure forms it never made, and says so."""
     first = engine(q4_gguf)
     weights = first.engine.runner.model.packed_weights()
     for w in (w for ws in weights.values() for w in ws):
@@ -128,6 +128,10 @@ def test_a_table_replaced_after_the_plan_is_read_as_planned_or_refused(q4_gguf, 
                              variant=kernel_variant(first.engine.config))
     table = tune()
     assert table is not None and "as the build planned" in caplog.text
+    cached["times"]["qkv"]["onednn"] = [t and t / 100 for t in cached["times"]["qkv"]["onednn"]]
+    file.write_text(json.dumps(cached))  # now routing qkv to oneDNN, a form those weights lack
+    with pytest.raises(RuntimeError, match="forms the build did not make"):
+        tune()
     file.unlink()
     with pytest.raises(RuntimeError, match="is gone"):
         tune()
