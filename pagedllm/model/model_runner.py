@@ -127,8 +127,8 @@ class ModelRunner:
         heap.trim_after_build(checkpoint_bytes)  # the loader's plain weights and the forms no route takes: freed
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         # which form each batch size takes is the kernels line's (dispatch.tune), not a fixed cut-off
-        logger.info("loaded %s (%s, %d matmuls with 4-bit weights, an int8 form: %s), %d KV blocks of %d tokens (%s)",
-                    loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights, int8 allowed for: %s), %d KV blocks of %d "
+                    "tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
                     ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:
