@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
+
+from pagedllm.frozen_imports import frozen_imports
 
 __version__ = "0.1.0"
 
@@ -29,4 +32,8 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    module = _EXPORTS[name]
+    if module not in sys.modules:
+        with frozen_imports():  # torch's and the engine's objects: out of the collector's way
+            importlib.import_module(module)
+    return getattr(sys.modules[module], name)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from pagedllm.config import EngineConfig
+from pagedllm.frozen_imports import frozen_imports
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -170,7 +171,8 @@ def build_parser() -> CommandParser:
 def main(argv: list[str] | None = None) -> int:
     with quiet_interrupt():
         try:
-            args = build_parser().parse_args(argv)
+            with frozen_imports():  # the command's modules (torch, the engine, the server) are imported here
+                args = build_parser().parse_args(argv)
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             return args.func(args)
         except (ValueError, FileNotFoundError) as e:
