@@ -106,8 +106,9 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one completion to the terminal as its tokens come."""
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.sampling_params import SamplingParams
+    with frozen_imports():  # torch's and the engine's objects: out of the collector's way
+        from pagedllm.engine.llm_engine import LLMEngine
+        from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -171,8 +172,7 @@ def build_parser() -> CommandParser:
 def main(argv: list[str] | None = None) -> int:
     with quiet_interrupt():
         try:
-            with frozen_imports():  # the command's modules (torch, the engine, the server) are imported here
-                args = build_parser().parse_args(argv)
+            args = build_parser().parse_args(argv)
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             return args.func(args)
         except (ValueError, FileNotFoundError) as e:

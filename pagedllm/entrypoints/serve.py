@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.router import DEFAULT_ROUTING_MARGIN, ROUTING_POLICIES
 from pagedllm.entrypoints.http_limits import ConnectionLimits, uvicorn_config_kwargs
+from pagedllm.frozen_imports import frozen_imports
 
 if TYPE_CHECKING:  # fastapi, uvicorn and the engine are imported where used: `serve --help` needs none of them
     import uvicorn
@@ -80,8 +81,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.engine.async_engine import build_serving_engine
-    from pagedllm.engine.llm_engine import LLMEngine
+    with frozen_imports():  # torch's and the engine's objects: out of the collector's way
+        from pagedllm.engine.async_engine import build_serving_engine
+        from pagedllm.engine.llm_engine import LLMEngine
 
     server = ServerConfig.from_cli_args(args)
     connections = ConnectionLimits.from_cli_args(args)
