@@ -253,11 +253,13 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
     kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, pairs), "tile": AttentionRoute(1, 1, pairs)}
     steps: dict[str, list[_Step]] = {}
     won: dict[str, dict[int, bool]] = {r: {} for r in REGIMES}  # per regime: QUERY_COUNTS index -> tiled won
-    while todo := [(r, i) for r in ("few", "busy") if (i := next_count(won[r])) is not None]:
+    def spent() -> bool:
+        return time.perf_counter() - start > budget_s
+
+    while not spent() and (todo := [(r, i) for r in ("few", "busy") if (i := next_count(won[r])) is not None]):
         for regime, i in todo:
-            if time.perf_counter() - start > budget_s:
-                table.seconds = round(time.perf_counter() - start, 3)
-                return table
+            if spent():
+                break
             if regime not in steps:
                 contexts = step_contexts(regime, gen)
                 steps[regime] = [_Step.build(shape, lens, gen, layer_copies(shape, contexts)) for lens in contexts]
