@@ -30,7 +30,7 @@ def parts_ms(model, rows: int) -> list[float]:
     """Each part of the pass for `rows` random hidden rows, then the whole pass."""
     ext, head = model.ext, model.lm_head_weight.int8
     hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    q, scale = ext.quantize_rows_int8(hidden)
+    q, scale = ext.quantize_rows_int8(hidden, ext.int8_gemm_input_max() if head.packed is not None else 127)
     logits = torch.empty(rows, head.out_features, dtype=torch.bfloat16)
     if head.packed is not None:
         def gemm() -> None:

@@ -90,7 +90,7 @@ def int8_products_exact() -> bool:
 
 
 def int8_available() -> bool:
-    """Whether int8 products run exactly here by some path: int8_gemm (VNNI, or AVX2's exact int16 pairs) or
+    """Whether int8 products run exactly here by some path: int8_gemm (VNNI, or AVX2's vpmaddubsw) or
     oneDNN's int8 matmul (VNNI, AMX). Where neither, the engine runs no int8 at all."""
     ext = load()
     return int8_products_exact() or (ext is not None and ext.int8_gemm_supported())

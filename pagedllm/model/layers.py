@@ -109,14 +109,14 @@ class Int8Weight:
     product sums exactly in int32 and is scaled back into the output as it is written. Numerics change beyond bf16
     rounding: opt-in, or by default where the accuracy gate passes (docs/performance.md).
 
-    The product is the C++ kernel int8_gemm (csrc/int8_gemm.cpp: AVX512-VNNI, or AVX2's exact int16 pairs; the
-    weight packed once here); on Zen 5 the lm_head's 576 -> 49,152 runs there in ~0.7 ms at 1-4 rows (the weight's
-    read) and at ~790 GOP/s from 16 rows up, where torch._int_mm, which gets a plain weight and reorders it on every
-    call, took 1.6-2.2 ms and 300-640 GOP/s (`python docs/scripts/lm_head_int8.py`). Without the kernel (inputs not a
-    multiple of 4; only where oneDNN's int8 is exact, with VNNI or AMX) the product is torch._int_mm over
-    INT8_COLUMN_BLOCK output columns at a time (in one call over 49,152 columns oneDNN fell from ~680 to ~400 GOP/s
-    past 160 rows, its int32 output outgrew the caches; `python docs/scripts/int8_column_blocks.py`), scaled back by
-    dequantize_int32 (csrc/int8_linear.cpp)."""
+    The product is the C++ kernel int8_gemm (csrc/int8_gemm.cpp: AVX512-VNNI, or AVX2's vpmaddubsw, exact for
+    activations within +-64, so they are quantised to that there; the weight packed once here); on Zen 5 the lm_head's
+    576 -> 49,152 runs there in ~0.7 ms at 1-4 rows (the weight's read) and at ~790 GOP/s from 16 rows up, where
+    torch._int_mm, which gets a plain weight and reorders it on every call, took 1.6-2.2 ms and 300-640 GOP/s (`python
+    docs/scripts/lm_head_int8.py`). Without the kernel (inputs not a multiple of 4; only where oneDNN's int8 is exact,
+    with VNNI or AMX) the product is torch._int_mm over INT8_COLUMN_BLOCK output columns at a time (in one call over
+    49,152 columns oneDNN fell from ~680 to ~400 GOP/s past 160 rows, its int32 output outgrew the caches; `python
+    docs/scripts/int8_column_blocks.py`), scaled back by dequantize_int32 (csrc/int8_linear.cpp)."""
 
     PANEL = 64  # output columns per panel of the packed weight (4 tiles of 16)
 
@@ -191,7 +191,7 @@ class Int8Weight:
 
     def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool, big: torch.Tensor | None,
                  w: torch.Tensor | None) -> torch.Tensor:
-        q, scale = self.ext.quantize_rows_int8(x.contiguous())
+        q, scale = self.ext.quantize_rows_int8(x.contiguous(), self.ext.int8_gemm_input_max() if kernel else 127)
         out = x.new_empty(x.shape[0], self.out_features)
         if kernel:
             self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out, big, w)

@@ -34,7 +34,7 @@ def own_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ext():
-    """The int8 kernel (VNNI, or AVX2's int16 pairs) is the fake timings' second path: a build without it runs no
+    """The int8 kernel (VNNI, or AVX2's vpmaddubsw) is the fake timings' second path: a build without it runs no
     int8, so the dispatch's tests skip there."""
     ext = kernels.load() or pytest.skip(f"kernels did not build: {kernels.build_error()}")
     if not ext.int8_gemm_supported():

@@ -1,7 +1,8 @@
 """int8_gemm built for CPUs without VNNI (`-march=haswell`: AVX2, FMA; csrc/int8_gemm_avx2.h) gives the exact int32
-sums, and from them the same output bits as dequantize_int32 over those sums and as this machine's build (the VNNI
-kernel's epilogue, operation for operation): every register block of rows, the last panel's partial slices, bias,
-outlier channels, fp32 and bf16 output. CI runs on whichever CPU kind it gets, so the AVX2 code is built and run here
+sums of activations within +-64 (and refuses others, which would saturate its products), and from them the same
+output bits as dequantize_int32 over those sums and as this machine's build (the VNNI kernel's epilogue, operation
+for operation): every register block of rows, the last panel's partial slices, bias, outlier channels, fp32 and bf16
+output. CI runs on whichever CPU kind it gets, so the AVX2 code is built and run here
 too (haswell_build.py)."""
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def ext():
     (1, 1000, 576), (5, 1000, 576), (6, 1000, 576), (13, 130, 576), (100, 200, 64), (200, 7, 12), (7, 64, 1536),
 ])
 def test_the_avx2_build_gives_the_exact_sums_and_the_same_bits(haswell, ext, rows, cols, inputs):
-    q, w = random_int8((rows, inputs), rows + 1), random_int8((cols, inputs), cols + inputs)
-    w[0, :], q[0, :] = 127, -127  # the extremes: 255 * -127 per product before the offset comes off
+    q, w = random_int8((rows, inputs), rows + 1, 64), random_int8((cols, inputs), cols + inputs)
+    w[0, :], q[0, :] = 127, -64  # the extremes: 255 * -64 per product before the offset comes off
+    q[-1, :2] = 64  # a pair of products at vpmaddubsw's positive limit, 2 * 255 * 64
     packed = Int8Weight.pack(w)
     acc = torch.empty(rows, cols, dtype=torch.int32)
     haswell.int8_gemm(q, packed, None, None, None, acc)
@@ -58,8 +60,19 @@ def test_the_avx2_build_gives_the_exact_sums_and_the_same_bits(haswell, ext, row
                 assert torch.equal(out, ref), (dtype, b is None, len(extra))
 
 
+def test_the_avx2_build_refuses_activations_it_would_saturate(haswell):
+    """Past +-64, a pair of products against the weight's 255 leaves vpmaddubsw's int16: an error, not wrong sums."""
+    assert haswell.int8_gemm_input_max() == 64
+    w = Int8Weight.pack(random_int8((100, 64), 2))
+    for bad in (65, -65, 127, -128):
+        q = random_int8((7, 64), 1, 64)
+        q[3, 5] = bad
+        with pytest.raises(RuntimeError, match="within \\+-64"):
+            haswell.int8_gemm(q, w, None, None, None, torch.empty(7, 100, dtype=torch.int32))
+
+
 def test_the_avx2_build_writes_only_its_block_of_columns(haswell):
-    q, w = random_int8((7, 64), 1), random_int8((100, 64), 2)
+    q, w = random_int8((7, 64), 1, 64), random_int8((100, 64), 2)
     wide = torch.full((7, 300), -1, dtype=torch.int32)
     haswell.int8_gemm(q, Int8Weight.pack(w), None, None, None, wide[:, 100:200])
     assert torch.equal(wide[:, 100:200].long(), q.long() @ w.long().T)

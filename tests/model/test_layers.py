@@ -370,7 +370,8 @@ def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dty
         assert len(weight.blocks) == -(-48 // layers.INT8_COLUMN_BLOCK)
     out = weight.mm(x.to(dtype), bias.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, 48)
-    xs = x.to(dtype).float().abs().amax(1, keepdim=True) / 127
+    limit = ext.int8_gemm_input_max() if path == "kernel" else 127  # the activations' range: 64 on AVX2's kernel
+    xs = x.to(dtype).float().abs().amax(1, keepdim=True) / limit
     xq = (x.to(dtype).float() / xs).round()
     wq = weight.int8_rows()
     assert torch.equal(wq, (w.to(dtype).float() * (1 / weight.scale[:, None])).round().to(torch.int8))
@@ -381,27 +382,46 @@ def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dty
     assert rel < 0.03
 
 
+@pytest.mark.parametrize("qmax", [127, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [576, 37, 1])
-def test_quantize_rows_int8_rounds_each_row_to_its_scale(ext, dtype: torch.dtype, cols: int) -> None:
-    """scale = amax / 127 per row (1 for a row of zeros), q = x * (1 / scale) rounded to nearest even, in fp32."""
+def test_quantize_rows_int8_rounds_each_row_to_its_scale(ext, dtype: torch.dtype, cols: int, qmax: int) -> None:
+    """scale = amax / qmax per row (1 for a row of zeros), q = x * (1 / scale) rounded to nearest even, in fp32:
+    127 for weights, the kernel's input range for activations (64 on AVX2 without VNNI)."""
     x = (torch.randn(70, cols, generator=torch.Generator().manual_seed(cols)) * torch.logspace(-3, 3, 70)[:, None])
     x[3] = 0
-    x[5, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])[:cols]  # scale 1: exact halves, which round to even
+    x[5, :4] = torch.tensor([float(qmax), 2.5, 3.5, -2.5])[:cols]  # scale 1: exact halves, which round to even
     x = x.to(dtype)
-    q, scale = ext.quantize_rows_int8(x)
+    q, scale = ext.quantize_rows_int8(x, qmax) if qmax != 127 else ext.quantize_rows_int8(x)
     xf = x.float()
-    ref_scale = xf.abs().amax(1) / 127
+    ref_scale = xf.abs().amax(1) / qmax
     ref_scale[ref_scale == 0] = 1
     assert torch.equal(scale, ref_scale)
     assert q.dtype == torch.int8 and torch.equal(q, (xf * (1 / ref_scale)[:, None]).round().to(torch.int8))
-    assert q[3].eq(0).all() and q.abs().amax(1)[torch.arange(70) != 3].eq(127).all()
+    assert q[3].eq(0).all() and q.abs().amax(1)[torch.arange(70) != 3].eq(qmax).all()
     if cols >= 4:
-        assert q[5, :4].tolist() == [127, 2, 4, -2]
+        assert q[5, :4].tolist() == [qmax, 2, 4, -2]
+    with pytest.raises(RuntimeError, match="qmax"):
+        ext.quantize_rows_int8(x, 128)
 
 
-def random_int8(shape: tuple[int, int], seed: int) -> torch.Tensor:
-    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+def test_quantized_rows_stay_in_the_kernels_range_whatever_they_hold(ext) -> None:
+    """A row with a NaN or an infinity (a model gone wrong) still quantises within +-qmax, so int8_gemm, which refuses
+    values past its range, takes it: a step gives garbage for that row rather than failing for the whole batch."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 3], x[1, 5], x[2, 7], x[2, 8] = float("nan"), float("inf"), float("-inf"), float("nan")
+    limit = ext.int8_gemm_input_max() or 127
+    q, _ = ext.quantize_rows_int8(x, limit)
+    assert q.abs().max().item() <= limit
+    assert torch.equal(q[3], ext.quantize_rows_int8(x[3:].contiguous(), limit)[0][0])  # finite rows as before
+    if ext.int8_gemm_supported():
+        acc = torch.empty(4, 100, dtype=torch.int32)
+        ext.int8_gemm(q, Int8Weight.pack(random_int8((100, 64), 2)), None, None, None, acc)
+
+
+def random_int8(shape: tuple[int, int], seed: int, limit: int = 127) -> torch.Tensor:
+    """Uniform in [-limit, limit]: 127 for weights, the kernel's input range (int8_gemm_input_max) for activations."""
+    return torch.randint(-limit, limit + 1, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize(("rows", "cols", "inputs"), [
@@ -414,9 +434,10 @@ def test_int8_gemm_equals_the_exact_product(ext, rows: int, cols: int, inputs: i
     fp32 / bf16, the bits dequantize_int32 gives over those sums (the torch._int_mm path)."""
     if not ext.int8_gemm_supported():
         pytest.skip("no int8_gemm in this build")
-    q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), cols + inputs)
-    w[0, :] = 127  # the extremes the u8 offset must carry: 255 * -127 per product
-    q[0, :] = -127
+    limit = ext.int8_gemm_input_max()
+    q, w = random_int8((rows, inputs), rows, limit), random_int8((cols, inputs), cols + inputs)
+    w[0, :] = 127  # the extremes the u8 offset must carry: 255 * -limit per product
+    q[0, :] = -limit
     packed = Int8Weight.pack(w)
     assert packed.shape == (-(-cols // 64), inputs // 4, 4, 64)
     acc = torch.empty(rows, cols, dtype=torch.int32)
@@ -449,7 +470,7 @@ def test_int8_gemm_adds_the_outlier_product_as_dequantize_int32_does(ext, rows: 
     if not ext.int8_gemm_supported():
         pytest.skip("no int8_gemm in this build")
     cols, inputs, E = 100, 64, 3
-    q, w = random_int8((rows, inputs), rows), random_int8((cols, inputs), 7)
+    q, w = random_int8((rows, inputs), rows, ext.int8_gemm_input_max()), random_int8((cols, inputs), 7)
     gen = torch.Generator().manual_seed(1)
     row_scale, col_scale = torch.rand(rows, generator=gen) / 100, torch.rand(cols, generator=gen) / 100
     big, wide = torch.randn(rows, E, generator=gen) * 20, torch.randn(E, cols + 28, generator=gen)
@@ -480,7 +501,7 @@ def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
     """out may be a block of columns of a wider tensor: only that block is written."""
     if not ext.int8_gemm_supported():
         pytest.skip("no int8_gemm in this build")
-    q, w = random_int8((5, 64), 1), random_int8((100, 64), 2)
+    q, w = random_int8((5, 64), 1, ext.int8_gemm_input_max()), random_int8((100, 64), 2)
     wide = torch.full((5, 300), -1, dtype=torch.int32)
     ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, wide[:, 100:200])
     assert torch.equal(wide[:, 100:200].long(), q.long() @ w.long().T)
@@ -490,7 +511,7 @@ def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
 def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
     if not ext.int8_gemm_supported():
         pytest.skip("no int8_gemm in this build")
-    q, packed = random_int8((3, 64), 1), Int8Weight.pack(random_int8((100, 64), 2))
+    q, packed = random_int8((3, 64), 1, ext.int8_gemm_input_max()), Int8Weight.pack(random_int8((100, 64), 2))
     scales = torch.ones(3), torch.ones(100)
 
     def run(q=q, packed=packed, scales=scales, bias=None, out=None):
@@ -509,6 +530,11 @@ def test_int8_gemm_bad_input_is_an_error_not_a_crash(ext) -> None:
     ]:
         with pytest.raises(RuntimeError, match=match):
             run(**kwargs)
+    limit = ext.int8_gemm_input_max()  # AVX2's vpmaddubsw saturates past it: refused, not summed wrong
+    assert limit == (127 if "avx512_vnni" in kernels._cpu_flags().split() else 64)
+    if limit < 127:
+        with pytest.raises(RuntimeError, match=f"within \\+-{limit}"):
+            run(q=torch.full((3, 64), limit + 1, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("inputs", [64, 30])
@@ -522,7 +548,7 @@ def test_int8_weight_takes_any_shape(ext, inputs: int) -> None:
     assert (weight.packed is not None) is (inputs % 4 == 0 and ext.int8_gemm_supported())
     assert torch.equal(weight.int8_rows(), (w * (1 / weight.scale[:, None])).round().to(torch.int8))
     x = torch.randn(9, inputs, generator=torch.Generator().manual_seed(4))
-    xs = x.abs().amax(1, keepdim=True) / 127
+    xs = x.abs().amax(1, keepdim=True) / (ext.int8_gemm_input_max() if weight.packed is not None else 127)
     exact = ((x / xs).round().double() @ weight.int8_rows().double().T) * xs.double() * weight.scale.double()
     torch.testing.assert_close(weight.mm(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 

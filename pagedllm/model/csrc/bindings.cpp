@@ -20,7 +20,7 @@ bool int4_linear_supported();
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);
 bool int4_linear_f32_supported();
-std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x);
+std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                       const c10::optional<at::Tensor>& bias, at::Tensor& out, const c10::optional<at::Tensor>& extra_x,
                       const c10::optional<at::Tensor>& extra_w);
@@ -28,6 +28,7 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
                const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w);
 bool int8_gemm_supported();
+int64_t int8_gemm_input_max();
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
 bool bf16_gemm_supported();
 void lora_sgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_pages, const at::Tensor& b_pages,
@@ -51,8 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inputs, bit for bit the loader's fp32 weights)", nogil);
   m.def("int4_linear_f32_supported", &int4_linear_f32_supported, "Whether this build has int4_linear_f32's "
         "instructions");
-  m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 with its own scale (absmax / 127)", nogil);
   namespace py = pybind11;
+  m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 within +-qmax with its own scale (absmax / qmax)",
+        py::arg("x"), py::arg("qmax") = 127, nogil);
   m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias) "
         "(+ extra_x @ extra_w)", py::arg("acc"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
         py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
@@ -68,4 +70,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pages (KV cache blocks) through each slot's page tables of addresses",
         nogil);
   m.def("int8_gemm_supported", &int8_gemm_supported, "Whether this build has int8_gemm's instructions");
+  m.def("int8_gemm_input_max", &int8_gemm_input_max, "The largest |activation| int8_gemm takes here (127; 64 on AVX2 "
+        "without VNNI)");
 }

@@ -27,13 +27,16 @@
 // over it.
 //
 // Without VNNI (AVX2 and FMA: AMD EPYC before Zen 4, most desktop CPUs) int8_gemm_avx2.h's panel kernel reads the
-// same packed weight and gives the same sums and bits with vpmaddwd over int16 pairs.
+// same packed weight and gives the same sums and bits with vpmaddubsw and vpmaddwd, for activations within +-64
+// (int8_gemm_input_max; the callers quantise to it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -65,7 +68,7 @@ struct Epilogue {
 #define PAGEDLLM_INT8_GEMM 1
 constexpr bool kSupported = true;
 constexpr int64_t kRows = 6;  // rows per register block
-using XInt = int8_t;  // the activations as the panel kernel reads them
+constexpr int kInputMax = 127;  // the activations' range (the quantiser's; -128 never comes from it)
 
 // The scaled-back output of one 16-column tile of one row: float -> T, masked to the tile's valid columns.
 inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
@@ -172,17 +175,17 @@ inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_INT8_GEMM 1
 constexpr bool kSupported = true;
-constexpr int64_t kRows = 4;
-using XInt = int16_t;
-#include "int8_gemm_avx2.h"  // panel_rows on 8-column slices, exact int32 sums by vpmaddwd
+constexpr int64_t kRows = 6;
+#include "int8_gemm_avx2.h"  // panel_rows a tile at a time, exact int32 sums by vpmaddubsw and vpmaddwd
 #else
 constexpr bool kSupported = false;
+constexpr int kInputMax = 0;
 #endif
 
 #if defined(PAGEDLLM_INT8_GEMM)
 // The last n < kRows rows of a block.
 template <int R, typename T, typename W>
-inline void panel_tail(int64_t n, const uint8_t* panel, const XInt* x, int64_t ldx, int64_t G, int64_t row0,
+inline void panel_tail(int64_t n, const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0,
                        int64_t col0, const Epilogue<T, W>& e) {
   if constexpr (R >= 1) {
     if (n == R) return panel_rows<R>(panel, x, ldx, G, row0, col0, e);
@@ -191,7 +194,7 @@ inline void panel_tail(int64_t n, const uint8_t* panel, const XInt* x, int64_t l
 }
 
 template <typename T, typename W>
-void gemm(const XInt* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T, W>& e) {
+void gemm(const int8_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P, const Epilogue<T, W>& e) {
   const int64_t G = K / 4;
   // Blocks of rows when M is large (x's block stays in L2 while the panels pass; each block reads the weights once
   // more, ~1 ms against ~20 ms of arithmetic), and also when there are too few panels to share among the threads.
@@ -215,6 +218,8 @@ void gemm(const XInt* x, int64_t M, int64_t K, const uint8_t* packed, int64_t P,
 }  // namespace
 
 bool int8_gemm_supported() { return kSupported; }
+
+int64_t int8_gemm_input_max() { return kInputMax; }
 
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
@@ -253,20 +258,19 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
 #if defined(PAGEDLLM_INT8_GEMM)
   const int8_t* q8 = q.data_ptr<int8_t>();
   std::vector<int32_t> xsum128(M);
-  // the AVX2 kernel reads the activations as int16 (vpmaddwd's operand), widened here once a call
-  std::vector<XInt> widened(std::is_same_v<XInt, int8_t> ? 0 : M * K);  // empty: the kernel reads q itself
+  std::atomic<bool> in_range{true};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += q8[r * K + k];
+      int32_t s = 0, amax = 0;
+      for (int64_t k = 0; k < K; ++k) s += q8[r * K + k], amax = std::max<int32_t>(amax, std::abs(q8[r * K + k]));
       xsum128[r] = 128 * s;
-      if constexpr (!std::is_same_v<XInt, int8_t>) std::copy(q8 + r * K, q8 + (r + 1) * K, widened.data() + r * K);
+      if (amax > kInputMax) in_range.store(false, std::memory_order_relaxed);
     }
   });
-  const XInt* xp = widened.empty() ? reinterpret_cast<const XInt*>(q8) : widened.data();
+  TORCH_CHECK(in_range.load(), "int8_gemm here takes activations within +-", kInputMax, " (int8_gemm_input_max)");
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   if (dtype == at::kInt) {
-    gemm<int32_t, int32_t>(xp, M, K, pk, P,
+    gemm<int32_t, int32_t>(q8, M, K, pk, P,
                            {xsum128.data(), nullptr, nullptr, nullptr, out.data_ptr<int32_t>(), out.stride(0), N});
     return;
   }
@@ -274,7 +278,7 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
     using T = std::remove_pointer_t<decltype(o)>;
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
     const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    gemm<T, W>(xp, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
+    gemm<T, W>(q8, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
                                  out.stride(0), N, E ? extra_x->data_ptr<float>() : nullptr, w, E,
                                  E ? extra_w->stride(0) : 0});
   };

@@ -1,18 +1,22 @@
 // int8_gemm.cpp's panel kernel on CPUs with AVX2 and FMA but no VNNI (AMD EPYC before Zen 4, most desktop CPUs),
-// included there inside its anonymous namespace. vpmaddubsw, the u8 x s8 product AVX2 has, pairs two products into
-// a saturating int16 (255 * 127 * 2 does not fit: oneDNN's int8 matmul is wrong here for that reason); vpmaddwd
-// multiplies int16 pairs into an exact int32. So the packed weight's bytes (w + 128, the same layout as the VNNI
-// kernel's) are widened to int16 as they are loaded, the activations once per call (int8_gemm's `widened`), and each
-// vpmaddwd adds two products into an int32 lane: the same exact sums as vpdpbusd, so the same bits out.
+// included there inside its anonymous namespace. vpmaddubsw, the u8 x s8 product AVX2 has, multiplies 32 byte pairs
+// and adds adjacent products into a saturating int16: with the packed weight's bytes (w + 128, up to 255, the same
+// layout as the VNNI kernel's) against full int8 activations a pair reaches 255 * 127 * 2 and saturates (oneDNN's
+// int8 matmul is wrong here for that reason). Activations within +-64 (kInputMax: int8_gemm refuses others; the
+// quantiser makes them so on such CPUs) keep every pair within 255 * 64 * 2 = 32,640: exact. vpmaddwd against ones
+// then adds each column's two pairs into an int32 lane, so the sums are vpdpbusd's, and the same bits come out of
+// the same inputs. On one Zen 3 core that pair sums 65 G products a second, vpmaddwd over activations widened to
+// int16 (this kernel until 2026-11-30: the lm_head at 64 rows no faster than oneDNN's fp32 matmul) 32 G, 8-float
+// FMAs 44 G (docs/performance.md).
 //
-// A 64-byte group of a tile holds 16 columns x 4 inputs (byte 4j + b: column j, input b). Its half for 8 columns,
-// widened 16 bytes at a time, gives 4 columns x 4 inputs of int16; against x's 4 inputs broadcast as int16 pairs,
-// vpmaddwd leaves each column's two partial sums in adjacent int32 lanes, which the epilogue adds (vphaddd) and puts
-// back in column order. Register blocking: 4 rows x 8 columns (8 accumulators, 2 weight vectors and the rows'
-// broadcasts: with 6 rows GCC spilled 9 of the 12 accumulators, and was no faster).
+// A 64-byte group of a tile holds 16 columns x 4 inputs (byte 4j + b: column j, input b); its two 32-byte halves are
+// 8 columns each, and against x's 4 inputs broadcast, vpmaddubsw + vpmaddwd leave column j's sum of 4 products in
+// int32 lane j: column order, no shuffles. Register blocking: kRows (6) rows x one tile, 12 accumulators beside the
+// 2 weight vectors, a row's broadcast and the ones (4 rows: the lm_head 7-24% slower at 64-256 rows).
 #pragma once
 
-constexpr int64_t kSlice = 8;  // output columns per pass over a panel: 8 slices of a 64-column panel
+constexpr int64_t kSlice = 8;  // output columns per int32 vector
+constexpr int kInputMax = 64;  // the largest |x| whose products cannot saturate vpmaddubsw against 255
 
 inline __m256i valid_lanes(int valid) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -45,55 +49,61 @@ inline void store8(int32_t* out, __m256i v, int valid) {
   else _mm256_maskstore_epi32(out, valid_lanes(valid), v);
 }
 
-// R rows of x, widened to int16 (row stride ldx), against one panel (G groups of 4 inputs), slice by slice: sums
-// over all of K in registers, then the epilogue for the slice's columns of those rows.
+// The sums of R rows for 8 columns from c on (valid of them) to the output: the VNNI kernel's epilogue, operation for
+// operation, so the same bits.
 template <int R, typename T, typename W>
-inline void panel_rows(const uint8_t* panel, const int16_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
-                       const Epilogue<T, W>& e) {
-  for (int64_t s = 0; s < kPanel / kSlice && col0 + s * kSlice < e.n; ++s) {
-    const uint8_t* wp = panel + s * 2 * 16;
-    __m256i acc[R][2];
+inline void slice_out(__m256i (&acc)[R], int64_t row0, int64_t c, int valid, const Epilogue<T, W>& e) {
+  __m256i sums[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) sums[r] = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(e.xsum128[row0 + r]));
+  if constexpr (std::is_same_v<T, int32_t>) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store8(e.out + (row0 + r) * e.ldo + c, sums[r], valid);
+  } else {
+    const __m256 cs = load8(e.col_scale + c, valid);
+    __m256 v[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(e.row_scale[row0 + r]));
+      v[r] = e.bias == nullptr ? _mm256_mul_ps(a, cs) : _mm256_fmadd_ps(a, cs, load8(e.bias + c, valid));
+    }
+    for (int64_t j = 0; j < e.E; ++j) {
+      const __m256 w = load8(e.extra_w + j * e.ldw + c, valid);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) v[r] = _mm256_fmadd_ps(_mm256_set1_ps(e.extra_x[(row0 + r) * e.E + j]), w, v[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store8(e.out + (row0 + r) * e.ldo + c, v[r], valid);
+  }
+}
+
+// R rows of x (int8 within +-kInputMax, row stride ldx) against one panel (G groups of 4 inputs), a tile at a time:
+// sums over all of K in registers, then the epilogue for the tile's columns of those rows.
+template <int R, typename T, typename W>
+inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
+                       const Epilogue<T, W>& e) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t t = 0; t < kTiles && col0 + t * kTile < e.n; ++t) {
+    const uint8_t* wt = panel + t * 64;
+    __m256i acc[2][R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = wp + g * kTiles * 64;
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
-      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
+      const uint8_t* wg = wt + g * kTiles * 64;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int64_t group;
+        int32_t group;
         std::memcpy(&group, x + r * ldx + 4 * g, sizeof(group));
-        const __m256i xb = _mm256_set1_epi64x(group);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
+        const __m256i xb = _mm256_set1_epi32(group);
+        acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xb), ones));
+        acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xb), ones));
       }
     }
-    const int64_t c = col0 + s * kSlice;
-    const int valid = static_cast<int>(std::min<int64_t>(kSlice, e.n - c));
-    __m256i sums[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)  // [c0 c1 c4 c5 | c2 c3 c6 c7] -> c0..c7, less 128 * sum(x) for the weights' offset
-      sums[r] = _mm256_sub_epi32(_mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8),
-                                 _mm256_set1_epi32(e.xsum128[row0 + r]));
-    if constexpr (std::is_same_v<T, int32_t>) {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) store8(e.out + (row0 + r) * e.ldo + c, sums[r], valid);
-    } else {
-      // the VNNI kernel's epilogue, operation for operation: the same bits
-      const __m256 cs = load8(e.col_scale + c, valid);
-      __m256 v[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(e.row_scale[row0 + r]));
-        v[r] = e.bias == nullptr ? _mm256_mul_ps(a, cs) : _mm256_fmadd_ps(a, cs, load8(e.bias + c, valid));
-      }
-      for (int64_t j = 0; j < e.E; ++j) {
-        const __m256 w = load8(e.extra_w + j * e.ldw + c, valid);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) v[r] = _mm256_fmadd_ps(_mm256_set1_ps(e.extra_x[(row0 + r) * e.E + j]), w, v[r]);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) store8(e.out + (row0 + r) * e.ldo + c, v[r], valid);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = col0 + t * kTile + h * kSlice;
+      if (c < e.n) slice_out<R>(acc[h], row0, c, static_cast<int>(std::min<int64_t>(kSlice, e.n - c)), e);
     }
   }
 }

@@ -26,9 +26,11 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
 }
 #endif
 
-// One row: scale = amax / 127 (1 for a row of zeros), q = round(x / scale) to nearest even, as x * (1 / scale).
+// One row: scale = amax / qmax (1 for a row of zeros), q = round(x / scale) to nearest even, as x * (1 / scale),
+// within +-qmax whatever the row holds (a NaN gives -qmax, an infinity +-qmax): int8_gemm refuses values past its
+// range, and a step must not fail on a row gone wrong.
 template <typename T>
-void quantize_row(const T* row, int8_t* out, float* scale, int64_t n) {
+void quantize_row(const T* row, int8_t* out, float* scale, int64_t n, float qmax) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   // The same arithmetic 16 at a time: |x| by clearing the sign, the max is exact in any order, and vcvtps2dq
   // rounds to nearest even as nearbyint does.
@@ -40,28 +42,30 @@ void quantize_row(const T* row, int8_t* out, float* scale, int64_t n) {
     vmax = _mm512_max_ps(v, vmax);  // a NaN is skipped, as std::max(amax, NaN) does
   }
   const float amax = _mm512_reduce_max_ps(vmax);
-  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  const float s = amax > 0.0f ? amax / qmax : 1.0f;
+  const __m512 inv = _mm512_set1_ps(1.0f / s), lo = _mm512_set1_ps(-qmax), hi = _mm512_set1_ps(qmax);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + i, m), inv));
+    const __m512 v = _mm512_max_ps(_mm512_mul_ps(load16(row + i, m), inv), lo);  // NaN -> lo (max's second operand)
+    const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(v, hi));
     _mm_mask_storeu_epi8(out + i, m, _mm512_cvtsepi32_epi8(q));
   }
   *scale = s;
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(row[i])));
-  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float s = amax > 0.0f ? amax / qmax : 1.0f;
   const float inv = 1.0f / s;
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[i]) * inv));
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<int8_t>(std::nearbyint(std::fmin(std::fmax(static_cast<float>(row[i]) * inv, -qmax), qmax)));
   *scale = s;
 #endif
 }
 
 template <typename T>
-void quantize_rows(const T* x, int8_t* q, float* scale, int64_t rows, int64_t n) {
+void quantize_rows(const T* x, int8_t* q, float* scale, int64_t rows, int64_t n, float qmax) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * n, q + r * n, scale + r, n);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * n, q + r * n, scale + r, n, qmax);
   });
 }
 
@@ -157,16 +161,17 @@ void dequantize_rows(const int32_t* acc, const float* row_scale, const float* co
 
 }  // namespace
 
-std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(qmax >= 1 && qmax <= 127, "qmax must be 1..127, got ", qmax);
   const int64_t rows = x.size(0), n = x.size(1);
   auto q = at::empty({rows, n}, x.options().dtype(at::kChar));
   auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat)
-    quantize_rows<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n);
+    quantize_rows<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, static_cast<float>(qmax));
   else
-    quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n);
+    quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, static_cast<float>(qmax));
   return {q, scale};
 }
 
