@@ -56,8 +56,10 @@ void quantize_row(const T* row, int8_t* out, float* scale, int64_t n, float qmax
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(row[i])));
   const float s = amax > 0.0f ? amax / qmax : 1.0f;
   const float inv = 1.0f / s;
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<int8_t>(std::nearbyint(std::fmin(std::fmax(static_cast<float>(row[i]) * inv, -qmax), qmax)));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::fmax(static_cast<float>(row[i]) * inv, -qmax);  // NaN -> -qmax (fmax drops a NaN)
+    out[i] = static_cast<int8_t>(std::nearbyint(std::fmin(v, qmax)));
+  }
   *scale = s;
 #endif
 }
@@ -168,10 +170,11 @@ std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax) {
   const int64_t rows = x.size(0), n = x.size(1);
   auto q = at::empty({rows, n}, x.options().dtype(at::kChar));
   auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  const float m = static_cast<float>(qmax);
   if (x.scalar_type() == at::kFloat)
-    quantize_rows<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, static_cast<float>(qmax));
+    quantize_rows<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, m);
   else
-    quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, static_cast<float>(qmax));
+    quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, n, m);
   return {q, scale};
 }
 
