@@ -413,6 +413,9 @@ def test_quantized_rows_stay_in_the_kernels_range_whatever_they_hold(ext) -> Non
     limit = ext.int8_gemm_input_max() or 127
     q, _ = ext.quantize_rows_int8(x, limit)
     assert q.abs().max().item() <= limit
+    assert q[0, 3] == -limit  # a NaN, clamped (unclamped: -128 from AVX-512's conversion, or whatever a cast gives)
+    assert q[1, 5] == -limit and q[1].count_nonzero() == 1  # an infinite scale: inf * 0 is NaN, the rest 0
+    assert q[2, 7] == q[2, 8] == -limit and q[2].count_nonzero() == 2
     assert torch.equal(q[3], ext.quantize_rows_int8(x[3:].contiguous(), limit)[0][0])  # finite rows as before
     if ext.int8_gemm_supported():
         acc = torch.empty(4, 100, dtype=torch.int32)

@@ -12,7 +12,8 @@
 // A 64-byte group of a tile holds 16 columns x 4 inputs (byte 4j + b: column j, input b); its two 32-byte halves are
 // 8 columns each, and against x's 4 inputs broadcast, vpmaddubsw + vpmaddwd leave column j's sum of 4 products in
 // int32 lane j: column order, no shuffles. Register blocking: kRows (6) rows x one tile, 12 accumulators beside the
-// 2 weight vectors, a row's broadcast and the ones (4 rows: the lm_head 7-24% slower at 64-256 rows).
+// 2 weight vectors, a row's broadcast and the ones (4 rows: the lm_head 6-38% slower at 64-256 rows on Zen 3,
+// docs/results/side_by_side/2026-11-30/lm_head_maddubs/rows_per_block.txt).
 #pragma once
 
 constexpr int64_t kSlice = 8;  // output columns per int32 vector

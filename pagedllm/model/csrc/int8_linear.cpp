@@ -27,8 +27,9 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
 #endif
 
 // One row: scale = amax / qmax (1 for a row of zeros), q = round(x / scale) to nearest even, as x * (1 / scale),
-// within +-qmax whatever the row holds (a NaN gives -qmax, an infinity +-qmax): int8_gemm refuses values past its
-// range, and a step must not fail on a row gone wrong.
+// within +-qmax whatever the row holds (a NaN gives -qmax; an infinity makes the scale infinite, so the row's finite
+// values give 0 and the infinity, as inf * 0, -qmax): int8_gemm refuses values past its range, and a step must not
+// fail on a row gone wrong.
 template <typename T>
 void quantize_row(const T* row, int8_t* out, float* scale, int64_t n, float qmax) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
