@@ -13,6 +13,13 @@ constexpr int64_t kKvGroup = 16;  // int8 cache: values per (scale, min) pair
 constexpr int64_t kRowsChunk = 32;  // keys per softmax step in attend_rows
 constexpr int64_t kPrefetchKeys = 64;  // attend_rows_bf16: how far ahead keys and values are prefetched
 constexpr int64_t kValueKeys = 8;      // attend_rows_bf16: keys per pass over the values, kv heads inner (bf16 q)
+// attend_rows_bf16: the next chunk's scores interleaved with this chunk's value sums. Measured on AVX2 (Zen 3) only:
+// AVX-512 builds keep the loop that was measured on their CPUs until someone measures this one there.
+#if defined(__AVX512F__)
+constexpr bool kPipelinedChunks = false;
+#else
+constexpr bool kPipelinedChunks = true;
+#endif
 constexpr int64_t kSplitPerThread = 4;  // few decodes: context partitions per thread
 constexpr int64_t kMinPartKeys = 128;   // ... of at least this many keys
 constexpr int64_t kTileChunk = 96;  // keys per softmax step in attend_tile (a multiple of kTB)

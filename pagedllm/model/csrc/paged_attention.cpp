@@ -211,8 +211,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const size_t pad = 16;
   const size_t NR = rows_max_R * H;
   const size_t span = KVH * D;
-  // attend_rows: q (2 * NR * D in attend_rows_bf16 over fp32 queries) and acc, ...
-  const size_t rows_floats = 3 * (NR * D + pad) + 4 * (NR + pad) + (NR * kRowsChunk + pad) + (span + D + pad) +
+  // attend_rows: q (2 * NR * D in attend_rows_bf16 over fp32 queries) and acc, ..., two chunks' scores
+  // (attend_rows_bf16), ...
+  const size_t rows_floats = 3 * (NR * D + pad) + 4 * (NR + pad) + 2 * (NR * kRowsChunk + pad) + (span + D + pad) +
                              (kRowsChunk * span + pad);
   const size_t Mp = (tile_max_M + 15) / 16 * 16;
   const size_t tile_floats = 2 * (Mp * D + pad) + 3 * (Mp + pad) + (kTileChunk * Mp + pad) +
