@@ -1,6 +1,6 @@
 """The greedy logits pass of the default model, part by part, for a step's sampled rows (bf16, default flags):
 quantise the hidden rows, the int8 lm_head GEMM scaled back into bf16 logits (csrc/int8_gemm.cpp; without
-AVX512-VNNI torch._int_mm, then dequantize_int32), top-16 + logsumexp (csrc/fused_ops.cpp), the candidates' fp32
+AVX512-VNNI torch._int_mm, then dequantize_int32), top-16 + logsumexp (csrc/top_k.cpp), the candidates' fp32
 rescoring, and the whole `LlamaModel.top_logits` (which adds the outlier split, Int8Weight.mm); best of 10, ms,
 2 threads.
 

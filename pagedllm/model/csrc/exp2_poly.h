@@ -1,5 +1,5 @@
 // 2^f for f in [-0.5, 0.5]: the degree-7 polynomial behind the kernels' exp (relative error ~1e-7). Shared by
-// the vector code of paged_attention.cpp and fused_ops.cpp (v16) and fused_ops.cpp's scalar tails (float).
+// the vector code of paged_attention.cpp and vec16.h (v16: fused_ops.cpp, top_k.cpp) and their scalar tails (float).
 #pragma once
 
 template <typename V>

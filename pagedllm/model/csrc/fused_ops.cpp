@@ -23,9 +23,8 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
+#include "vec16.h"
+
 
 // float -> bfloat16 -> float, round to nearest even (what a bf16 torch op's store does); NaN stays NaN.
 inline float round_bf16(float x) {
@@ -56,13 +55,6 @@ inline v16 rnd16(v16 x) {
   return x;
 }
 
-inline v16 vload16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void vstore16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // 32 consecutive values of a row as two fp32 vectors. A bf16 row splits into its even values (shifted up) and
 // odd values (masked) within each 32-bit word: one op per 16 values and no shuffles. Elementwise math does not
@@ -88,50 +80,8 @@ inline void store32(at::BFloat16* p, v32 v) {
   std::memcpy(p, &w, sizeof(w));
 }
 
-inline float hsum16(v16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
-// e^x for x <= 0 (relative error ~1e-7): 2^(x log2 e), integer part in the exponent, degree-7 polynomial.
-inline float exp_nonpos(float x) {
-  float t = x * 1.4426950408889634f;
-  t = t < -125.0f ? -125.0f : t;
-  const float n = (t + 12582912.0f) - 12582912.0f;  // round to an integer
-  const float p = exp2_poly(t - n);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
-// e^x for x <= 0, 16 lanes at a time, with exp_nonpos's results. With AVX-512 the clamp, the rounding to an
-// integer and the scaling by 2^n are one instruction each (vmaxps, vrndscaleps, vscalefps: the same values,
-// as t is in [-125, 0] and the product stays normal), 12 ops instead of 17.
-inline v16 exp_nonpos16(v16 x) {
-#if defined(__AVX512F__)
-  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-125.0f), (__m512)(x * 1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return (v16)_mm512_scalef_ps((__m512)exp2_poly((v16)t - (v16)n), n);
-#else
-  // The clamp in bit operations: GCC lowers a comparison of 16 floats lane by lane where they span registers.
-  // t < -125 exactly when t + 125 is negative (it cannot round to -0); a NaN stays as it is.
-  const v16 lo = v16{} - 125.0f;
-  v16 t = x * 1.4426950408889634f;
-  const vi16 nan = (vi16)(((vu16)t & 0x7FFFFFFFu) + 0x7FFFFFu) >> 31;
-  const vi16 below = ((vi16)(t - lo) >> 31) & ~nan;
-  t = (v16)(((vi16)lo & below) | ((vi16)t & ~below));
-  const v16 n = (t + 12582912.0f) - 12582912.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return exp2_poly(t - n) * (v16)bits;
-#endif
-}
-
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 // Rows per parallel chunk, so that a second thread is woken only for ~8K input values or more: measured on 2
 // threads, waking it costs ~1 us, and below that each op is faster alone (M = 1 never forks).
@@ -262,12 +212,6 @@ void rotary_rows(T* x, int64_t stride_t, int64_t stride_h, int64_t tokens, int64
   });
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-d tensor");
-}
 
 // The dtypes check_rows admits; the row loops have no double path.
 #define DISPATCH_FLOAT_BF16(TYPE, NAME, ...)                                 \
@@ -325,128 +269,4 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const 
     rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
                           cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), pos);
   });
-}
-
-namespace {
-
-inline float hmax16(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
-// The largest of x[0..n), and sum(exp(x - m)) once it is known: 16 lanes at a time, the tail one by one.
-inline float chunk_max(const float* x, int64_t n) {
-  v16 mv = v16{} - INFINITY;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const v16 v = vload16(x + i);
-    mv = v > mv ? v : mv;
-  }
-  float m = hmax16(mv);
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
-
-inline float chunk_exp_sum(const float* x, int64_t n, float m) {
-  v16 sv = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) sv += exp_nonpos16(vload16(x + i) - m);
-  float s = hsum16(sv);
-  for (; i < n; ++i) s += exp_nonpos(x[i] - m);
-  return s;
-}
-
-// Keeps the k largest (value, index) pairs seen so far; `threshold` is the smallest kept once k are kept.
-struct TopK {
-  float* v;
-  int64_t* ix;
-  int64_t k, filled = 0, min_at = 0;
-  float threshold = -INFINITY;
-
-  void offer(float x, int64_t i) {
-    if (filled == k && !(x > threshold)) return;
-    if (filled < k) {
-      v[filled] = x;
-      ix[filled++] = i;
-    } else {
-      v[min_at] = x;
-      ix[min_at] = i;
-    }
-    if (filled == k) {
-      min_at = 0;
-      for (int64_t j = 1; j < k; ++j)
-        if (v[j] < v[min_at] || (v[j] == v[min_at] && ix[j] > ix[min_at])) min_at = j;
-      threshold = v[min_at];
-    }
-  }
-
-  // Offers x[0..n) (indices c0 + i), skipping 16 at a time those that cannot enter.
-  void scan(const float* x, int64_t n, int64_t c0) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const vi16 above = vload16(x + i) > (v16{} + threshold);
-      bool any = false;
-      for (int j = 0; j < 16; ++j) any |= above[j] != 0;
-      if (filled == k && !any) continue;
-      for (int j = 0; j < 16; ++j) offer(x[i + j], c0 + i + j);
-    }
-    for (; i < n; ++i) offer(x[i], c0 + i);
-  }
-};
-
-// One pass over a row of logits: its k largest (value, index) pairs, largest first, and log(sum(exp(row))).
-// The sum runs online per chunk (running max and rescaled sum), so the row is read once; max, sum and the top-k
-// filter run 16 lanes at a time (their scalar loops, which -O3 cannot vectorise without reassociating, took
-// 12 ms for 256 rows of 49,152 logits: `python docs/scripts/logits_pass.py`).
-template <typename T>
-void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64_t* top_i, float* lse) {
-  std::vector<float> x(std::min<int64_t>(V, 4096));
-  float m = -INFINITY, s = 0.0f;
-  TopK top{top_v, top_i, k};
-  for (int64_t c0 = 0; c0 < V; c0 += static_cast<int64_t>(x.size())) {
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(x.size()), V - c0);
-    load_row(row + c0, x.data(), n);
-    const float cm = chunk_max(x.data(), n);
-    if (cm == -INFINITY) continue;  // a chunk a grammar masked out entirely adds nothing (and -inf - -inf is NaN)
-    if (cm > m) {
-      s *= exp_nonpos(m - cm);
-      m = cm;
-    }
-    s += chunk_exp_sum(x.data(), n, m);
-    if (cm > top.threshold || top.filled < k) top.scan(x.data(), n, c0);
-  }
-  for (int64_t j = top.filled; j < k; ++j) {  // fewer than k tokens allowed: the rest are -inf
-    top_v[j] = -INFINITY;
-    top_i[j] = 0;
-  }
-  // Largest first; among equal values the lower index first (what argmax picks).
-  for (int64_t a = 1; a < k; ++a)
-    for (int64_t b = a; b > 0 && (top_v[b] > top_v[b - 1] || (top_v[b] == top_v[b - 1] && top_i[b] < top_i[b - 1]));
-         --b) {
-      std::swap(top_v[b], top_v[b - 1]);
-      std::swap(top_i[b], top_i[b - 1]);
-    }
-  *lse = m + std::log(s);
-}
-
-}  // namespace
-
-std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k) {
-  check_rows(logits, "logits");
-  const int64_t S = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocab]");
-  at::Tensor values = at::empty({S, k}, logits.options().dtype(at::kFloat));
-  at::Tensor indices = at::empty({S, k}, logits.options().dtype(at::kLong));
-  at::Tensor lse = at::empty({S}, logits.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "top_k_logsumexp", [&] {
-    const scalar_t* base = logits.data_ptr<scalar_t>();
-    float* v = values.data_ptr<float>();
-    int64_t* ix = indices.data_ptr<int64_t>();
-    float* l = lse.data_ptr<float>();
-    at::parallel_for(0, S, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) top_k_logsumexp_row(base + r * V, V, k, v + r * k, ix + r * k, l + r);
-    });
-  });
-  return {values, indices, lse};
 }

@@ -1,0 +1,178 @@
+// The greedy logits pass: each row's k largest logits and its logsumexp in one read of the row
+// (LlamaModel.top_logits), so that no fp32 [S, vocab] tensor, full-vocabulary topk or logsumexp is made.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "exp2_poly.h"
+
+namespace {
+
+#include "vec16.h"
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float hmax16(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// The largest of x[0..n), and sum(exp(x - m)) once it is known: 16 lanes at a time, the tail one by one.
+inline float chunk_max(const float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  v16 mv = v16{} - INFINITY;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = vload16(x + i);
+    mv = v > mv ? v : mv;
+  }
+  float m = hmax16(mv);
+#else
+  // GCC lowers a 16-float comparison lane by lane where the lanes span two AVX2 registers; vmaxps(v, m) is the
+  // same v > m ? v : m (a NaN never wins).
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, m0);
+  _mm256_store_ps(lanes + 8, m1);
+  float m = hmax16(vload16(lanes));
+#endif
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+inline float chunk_exp_sum(const float* x, int64_t n, float m) {
+  v16 sv = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) sv += exp_nonpos16(vload16(x + i) - m);
+  float s = hsum16(sv);
+  for (; i < n; ++i) s += exp_nonpos(x[i] - m);
+  return s;
+}
+
+// Whether any of x[0..16) is above t (a NaN is not).
+inline bool any_above(const float* x, float t) {
+#if defined(__AVX512F__)
+  const vi16 above = vload16(x) > (v16{} + t);
+  bool any = false;
+  for (int j = 0; j < 16; ++j) any |= above[j] != 0;
+  return any;
+#else
+  const __m256 tv = _mm256_set1_ps(t);
+  const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(x), tv, _CMP_GT_OQ);
+  const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(x + 8), tv, _CMP_GT_OQ);
+  return _mm256_movemask_ps(_mm256_or_ps(a, b)) != 0;
+#endif
+}
+
+// Keeps the k largest (value, index) pairs seen so far; `threshold` is the smallest kept once k are kept.
+struct TopK {
+  float* v;
+  int64_t* ix;
+  int64_t k, filled = 0, min_at = 0;
+  float threshold = -INFINITY;
+
+  void offer(float x, int64_t i) {
+    if (filled == k && !(x > threshold)) return;
+    if (filled < k) {
+      v[filled] = x;
+      ix[filled++] = i;
+    } else {
+      v[min_at] = x;
+      ix[min_at] = i;
+    }
+    if (filled == k) {
+      min_at = 0;
+      for (int64_t j = 1; j < k; ++j)
+        if (v[j] < v[min_at] || (v[j] == v[min_at] && ix[j] > ix[min_at])) min_at = j;
+      threshold = v[min_at];
+    }
+  }
+
+  // Offers x[0..n) (indices c0 + i), skipping 16 at a time those that cannot enter.
+  void scan(const float* x, int64_t n, int64_t c0) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      if (filled == k && !any_above(x + i, threshold)) continue;
+      for (int j = 0; j < 16; ++j) offer(x[i + j], c0 + i + j);
+    }
+    for (; i < n; ++i) offer(x[i], c0 + i);
+  }
+};
+
+// One pass over a row of logits: its k largest (value, index) pairs, largest first, and log(sum(exp(row))).
+// The sum runs online per chunk (running max and rescaled sum), so the row is read once; max, sum and the top-k
+// filter run 16 lanes at a time (their scalar loops, which -O3 cannot vectorise without reassociating, took
+// 12 ms for 256 rows of 49,152 logits: `python docs/scripts/logits_pass.py`).
+template <typename T>
+void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64_t* top_i, float* lse) {
+  std::vector<float> x(std::min<int64_t>(V, 4096));
+  float m = -INFINITY, s = 0.0f;
+  TopK top{top_v, top_i, k};
+  for (int64_t c0 = 0; c0 < V; c0 += static_cast<int64_t>(x.size())) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(x.size()), V - c0);
+    const float* xs = x.data();  // fp32 rows are read in place, others widened into x first
+    if constexpr (std::is_same_v<T, float>) {
+      xs = row + c0;
+    } else {
+      load_row(row + c0, x.data(), n);
+    }
+    const float cm = chunk_max(xs, n);
+    if (cm == -INFINITY) continue;  // a chunk a grammar masked out entirely adds nothing (and -inf - -inf is NaN)
+    if (cm > m) {
+      s *= exp_nonpos(m - cm);
+      m = cm;
+    }
+    s += chunk_exp_sum(xs, n, m);
+    if (cm > top.threshold || top.filled < k) top.scan(xs, n, c0);
+  }
+  for (int64_t j = top.filled; j < k; ++j) {  // fewer than k tokens allowed: the rest are -inf
+    top_v[j] = -INFINITY;
+    top_i[j] = 0;
+  }
+  // Largest first; among equal values the lower index first (what argmax picks).
+  for (int64_t a = 1; a < k; ++a)
+    for (int64_t b = a; b > 0 && (top_v[b] > top_v[b - 1] || (top_v[b] == top_v[b - 1] && top_i[b] < top_i[b - 1]));
+         --b) {
+      std::swap(top_v[b], top_v[b - 1]);
+      std::swap(top_i[b], top_i[b - 1]);
+    }
+  *lse = m + std::log(s);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k) {
+  check_rows(logits, "logits");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocab]");
+  at::Tensor values = at::empty({S, k}, logits.options().dtype(at::kFloat));
+  at::Tensor indices = at::empty({S, k}, logits.options().dtype(at::kLong));
+  at::Tensor lse = at::empty({S}, logits.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "top_k_logsumexp", [&] {
+    const scalar_t* base = logits.data_ptr<scalar_t>();
+    float* v = values.data_ptr<float>();
+    int64_t* ix = indices.data_ptr<int64_t>();
+    float* l = lse.data_ptr<float>();
+    at::parallel_for(0, S, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) top_k_logsumexp_row(base + r * V, V, k, v + r * k, ix + r * k, l + r);
+    });
+  });
+  return {values, indices, lse};
+}
