@@ -177,22 +177,23 @@ class Int8Weight:
         """dispatch's path names of the products this weight has: the kernel's and torch._int_mm's."""
         return frozenset(name for name, form in (("int8", self.packed), ("int8_mm", self.q_t)) if form is not None)
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), by the kernel where there is one (or as `kernel` says). With outliers, the input
-        channels largest in this call go through the plain weight and the rest through int8, as LLM.int8() splits
-        them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale per row that holds
-        them leaves the others a few steps each."""
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), into `out` when given, by the kernel where there is one (or as `kernel` says). With
+        outliers, the input channels largest in this call go through the plain weight and the rest through int8, as
+        LLM.int8() splits them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale
+        per row that holds them leaves the others a few steps each."""
         big = w = None
         if self.outliers and x.shape[0] > 0:  # their product is added as the int8 one is written (one rounding)
             channels = x.abs().amax(dim=0).topk(self.outliers).indices
             big, x = x.index_select(1, channels).float(), x.index_fill(1, channels, 0)
             w = self.plain_t.index_select(0, channels)
-        return self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel, big, w)
+        return self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel, big, w, out)
 
     def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool, big: torch.Tensor | None,
-                 w: torch.Tensor | None) -> torch.Tensor:
+                 w: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = self.ext.quantize_rows_int8(x.contiguous(), self.ext.int8_gemm_input_max() if kernel else 127)
-        out = x.new_empty(x.shape[0], self.out_features)
+        out = x.new_empty(x.shape[0], self.out_features) if out is None else out
         if kernel:
             self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out, big, w)
             return out
@@ -338,11 +339,13 @@ class PackedWeight:
     def path_for(self, rows: int) -> str:
         return next(path for limit, path in self.route if rows <= limit)
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias) by the route's path for x's rows, or the path given."""
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) by the route's path for x's rows, or the path given. `out` ([rows, out_features],
+        x's dtype): where the int8 paths write it (the others return a new tensor): use the returned one."""
         path = path or self.path_for(x.shape[0])
         if path in ("int8", "int8_mm"):
-            return self.int8.mm(x, bias, kernel=path == "int8")
+            return self.int8.mm(x, bias, kernel=path == "int8", out=out)
         if path == "onednn":
             return self.onednn_mm(x, bias)
         if path == "bf16_plain":

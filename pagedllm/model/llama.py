@@ -140,6 +140,7 @@ class LlamaModel:
         self.embed = w.keep("model.embed_tokens.weight")
         self.lm_head = w.keep("lm_head.weight") if "lm_head.weight" in w else self.embed
         self.lm_head_weight = self._packed(self.lm_head, "lm_head") if self.pack else self.lm_head
+        self._logits_buffer: torch.Tensor | None = None  # top_logits' logits, kept across steps (_scratch_logits)
         self.norm = w.keep("model.norm.weight")
         self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -312,7 +313,7 @@ class LlamaModel:
         (fp32 values [S, k], ids [S, k]) and its logsumexp [S], from one C++ pass over the model-dtype logits;
         with a grammar, over the tokens it allows (-inf elsewhere), as `sample` masks."""
         assert self.ext is not None, "top_logits needs the C++ kernels"
-        logits = linear(hidden, self.lm_head_weight)
+        logits = self._scratch_logits(hidden)
         if grammar is not None:
             apply_grammar_mask_(logits, grammar)
         values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
@@ -323,6 +324,19 @@ class LlamaModel:
         rest = (1 - (values - lse[:, None]).exp().sum(-1)).clamp_min(0)
         lse = lse + (rest + (exact - lse[:, None]).exp().sum(-1)).log()
         return exact, ids, lse
+
+    def _scratch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits for top_logits, which reads them once: written into a buffer kept across steps where
+        the matmul's path takes one. A fresh [rows, vocab] tensor past glibc's 32 MiB mmap threshold (fp32 logits of
+        171+ rows here) is mapped afresh at every step and its pages faulted in: 27-35 ms of the int8 lm_head's
+        72-126 at 200-256 rows on Zen 3 (docs/performance.md)."""
+        weight, rows = self.lm_head_weight, hidden.shape[0]
+        if not isinstance(weight, PackedWeight):
+            return linear(hidden, weight)
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] < rows or buffer.dtype != hidden.dtype:
+            buffer = self._logits_buffer = hidden.new_empty(-(-rows // 64) * 64, self.lm_head.shape[0])
+        return weight.mm(hidden, out=buffer[:rows])
 
     def _exact_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, k] of the token ids [S, k] (index_select: advanced indexing took 4-6x longer here)."""

@@ -128,6 +128,29 @@ def test_top_k_logsumexp(ext, dtype: torch.dtype) -> None:
     assert ids[1].tolist() == list(range(100, 116))
 
 
+def test_greedy_logits_over_the_kept_buffer_equal_fresh_ones_whatever_the_call_sizes(tiny_model_dir) -> None:
+    """top_logits writes the int8 lm_head's logits into a buffer kept across calls (a fresh one past 32 MiB is mapped
+    and faulted in at every step): calls that grow, shrink and grow it again each give what a fresh product gives."""
+    from pagedllm.model.llama import LlamaModel
+    from pagedllm.model.loader import load_model
+
+    loaded = load_model(tiny_model_dir, torch.float32)
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, int8=["lm_head"])
+    head = model.lm_head_weight
+    if model.ext is None or head.int8 is None or head.int8.packed is None:
+        pytest.skip("no int8 kernel for the lm_head here")
+    head.route = ((2 ** 62, "int8"),)
+    kept = []
+    for rows in (9, 3, 70, 5):
+        hidden = torch.randn(rows, loaded.config.hidden_size, generator=torch.Generator().manual_seed(rows)) * 3
+        values, ids, lse = model.top_logits(hidden)
+        fresh = model.ext.top_k_logsumexp(head.mm(hidden), values.shape[1])
+        exact = model._exact_logits(hidden, fresh[1])
+        assert torch.equal(ids, fresh[1]) and torch.equal(values, exact), rows
+        kept.append(model._logits_buffer.data_ptr())
+    assert kept[0] == kept[1] and kept[2] == kept[3]  # grown once for 70 rows, then reused
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_equals_full_logits(tiny_model_dir, dtype: torch.dtype) -> None:
     """LlamaModel.top_logits + sample_greedy_from_top give compute_logits + sample's greedy token and logprob."""
