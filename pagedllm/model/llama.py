@@ -328,8 +328,8 @@ class LlamaModel:
     def _scratch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits for top_logits, which reads them once: written into a buffer kept across steps where
         the matmul's path takes one. A fresh [rows, vocab] tensor past glibc's 32 MiB mmap threshold (fp32 logits of
-        171+ rows here) is mapped afresh at every step and its pages faulted in: 27-35 ms of the int8 lm_head's
-        72-126 at 200-256 rows on Zen 3 (docs/performance.md)."""
+        171+ rows here) is mapped afresh at every step and its pages faulted in: 11-14 thousand faults a step at
+        200-256 rows on Zen 3 (docs/performance.md)."""
         weight, rows = self.lm_head_weight, hidden.shape[0]
         if not isinstance(weight, PackedWeight):
             return linear(hidden, weight)
