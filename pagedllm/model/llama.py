@@ -331,8 +331,8 @@ class LlamaModel:
         171+ rows here) is mapped afresh at every step and its pages faulted in: 11-14 thousand faults a step at
         200-256 rows on Zen 3 (docs/performance.md)."""
         weight, rows = self.lm_head_weight, hidden.shape[0]
-        if not isinstance(weight, PackedWeight):
-            return linear(hidden, weight)
+        if not isinstance(weight, PackedWeight) or weight.path_for(rows) not in INT8_FORMS:
+            return linear(hidden, weight)  # no buffer where the path makes its own output
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.dtype != hidden.dtype:
             buffer = self._logits_buffer = hidden.new_empty(-(-rows // 64) * 64, self.lm_head.shape[0])

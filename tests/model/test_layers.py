@@ -144,6 +144,7 @@ def test_greedy_logits_over_the_kept_buffer_equal_fresh_ones_whatever_the_call_s
     for rows in (9, 3, 70, 5):
         hidden = torch.randn(rows, loaded.config.hidden_size, generator=torch.Generator().manual_seed(rows)) * 3
         values, ids, lse = model.top_logits(hidden)
+        assert torch.equal(model._logits_buffer[:rows], head.mm(hidden)), rows  # the logits themselves
         fresh = model.ext.top_k_logsumexp(head.mm(hidden), values.shape[1])
         exact = model._exact_logits(hidden, fresh[1])
         assert torch.equal(ids, fresh[1]) and torch.equal(values, exact), rows
