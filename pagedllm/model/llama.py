@@ -215,7 +215,7 @@ class LlamaModel:
         make = self._forms_to_make(kind, PackedWeight.shape_entry(tuple(plain.shape), forms), forms) \
             if make is None else make
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
-        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm=True) if make & INT8_FORMS else None
+        int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm="int8_mm" in make) if make & INT8_FORMS else None
         bf16 = Bf16Weight(plain, self.ext) if "bf16_gemm" in make else None
         int4 = Int4Weight(*q4, self.ext, self.dtype) if "int4" in make else None
         weight = PackedWeight(plain, int4, int8, bf16, onednn="onednn" in make)
