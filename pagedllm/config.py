@@ -46,13 +46,11 @@ def parse_size(value: str) -> int:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls run on AMX / AVX512-BF16 3-6x faster than fp32; elsewhere fp32 is the safe default."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """bf16 arithmetic where the CPU has it (AMX, AVX512-BF16) and its matmul beats fp32's here, timed once per
+    machine (model/bf16_choice.py: an Intel Xeon with AVX512-BF16 and no AMX ran bf16 at 0.6x fp32's rate)."""
+    from pagedllm.model.bf16_choice import bf16_pays  # torch, only once a dtype is resolved
+
+    return bf16_pays()
 
 
 @dataclass
