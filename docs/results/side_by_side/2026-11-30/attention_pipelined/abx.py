@@ -1,9 +1,10 @@
 """Decode attention alone, variant against variant: copies of pagedllm/model/csrc (folders under ROOT, default
 /tmp/attn: `before` = the commit before, `after` = this one) built with tests/model/attention_binding.cpp, S
 sequences x T keys over L layers' caches (past the L3 at 30), SmolLM2's 9 heads / 3 kv heads / 64 dims, a bf16
-cache in shuffled blocks of a POOL-block pool per layer on 2 MB pages, fp32 queries, variants alternated call by call.
+cache in shuffled blocks of a POOL-block pool per layer on 2 MB pages, fp32 queries (QDTYPE=bfloat16: bf16 ones),
+variants alternated call by call.
 
-usage: python abx.py VARIANTS THREADS S T L ROUNDS   (e.g. before,after 2 64 300 30 12)"""
+usage: [QDTYPE=bfloat16] python abx.py VARIANTS THREADS S T L ROUNDS   (e.g. before,after 2 64 300 30 12)"""
 import os
 import sys
 import time
@@ -34,7 +35,7 @@ caches = [(cache(), cache()) for _ in range(layers)]
 bt = torch.randperm(nb - 8, generator=g)[: S * ((T + B - 1) // B)].view(S, -1).to(torch.int32)
 ctx = torch.full((S,), T, dtype=torch.int32)
 qsl = torch.arange(S + 1, dtype=torch.int32)
-q = torch.randn(S, H, D, generator=g)
+q = torch.randn(S, H, D, generator=g).to(getattr(torch, os.environ.get("QDTYPE", "float32")))
 ref = None
 res: dict[str, list[float]] = {v: [] for v in variants}
 for rnd in range(reps):
