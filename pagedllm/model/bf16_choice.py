@@ -1,6 +1,6 @@
 """`--dtype auto`'s choice between bf16 and fp32 arithmetic, measured where the engine runs: the ISA flags do not
 tell. With AVX512-BF16 and no AMX, oneDNN's bf16 matmul ran at 1.9x fp32's rate on AMD EPYC Zen 5 but 0.6x on an
-Intel Xeon (model 207), where the workload ran 1.46x faster in fp32. Timed once per machine (~50 ms), cached beside
+Intel Xeon (model 207), where the workload ran 1.46x faster in fp32. Timed once per machine (~70 ms), cached beside
 the kernel table (model/machine_cache.py)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ logger = logging.getLogger("pagedllm")
 
 CACHE_PREFIX = "dtype"
 ROWS, IN_FEATURES, OUT_FEATURES = 256, 1024, 2048  # arithmetic, not the weight's reads, bounds a call this size
+DTYPES = {"float32", "bfloat16"}
 SAMPLES = 3  # timed calls per dtype, alternated, after one warm-up each; the fastest counts
 
 # One measurement: dtype name -> seconds of the call. Tests pass fakes.
@@ -38,7 +39,7 @@ def measure_matmuls() -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(ROWS, IN_FEATURES, generator=gen), torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen)
     calls = {}
-    for name in ("float32", "bfloat16"):
+    for name in sorted(DTYPES, reverse=True):  # float32 first
         dtype = getattr(torch, name)
         weight, xs = PackedWeight(w.to(dtype)), x.to(dtype)
         calls[name] = functools.partial(weight.mm, xs, path="onednn")
@@ -71,7 +72,7 @@ def bf16_pays(measure: Measure | None = None, refresh: bool = False) -> bool:
         return _decided[memo]
     file = machine_cache.cache_file(key, CACHE_PREFIX)
     cached = None if refresh else machine_cache.load_json(file, key)
-    if cached is not None and isinstance(cached.get("seconds"), dict):
+    if cached is not None and isinstance(cached.get("seconds"), dict) and DTYPES <= cached["seconds"].keys():
         seconds = cached["seconds"]
     else:
         start = machine_cache.cpu_sample()

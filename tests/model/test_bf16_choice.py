@@ -88,3 +88,13 @@ def test_engine_config_auto_follows_the_measured_choice(machine, monkeypatch):
 def test_the_real_measurement_times_both_dtypes():
     seconds = bf16_choice.measure_matmuls()
     assert set(seconds) == {"bfloat16", "float32"} and all(0 < s < 10 for s in seconds.values())
+
+
+def test_a_cached_file_without_both_timings_is_measured_again(machine):
+    machine(BF16_FLAGS)
+    key = bf16_choice.cache_key()
+    machine_cache.save_json(machine_cache.cache_file(key, bf16_choice.CACHE_PREFIX),
+                            {"key": key, "seconds": {"float32": 0.004}})
+    calls: list[int] = []
+    assert bf16_choice.bf16_pays(timings(0.002, 0.004, calls)) is True
+    assert len(calls) == 1
