@@ -45,14 +45,6 @@ def parse_size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def cpu_has_fast_bf16() -> bool:
-    """bf16 arithmetic where the CPU has it (AMX, AVX512-BF16) and its matmul beats fp32's here, timed once per
-    machine (model/bf16_choice.py: an Intel Xeon with AVX512-BF16 and no AMX ran bf16 at 0.6x fp32's rate)."""
-    from pagedllm.model.bf16_choice import bf16_pays  # torch, only once a dtype is resolved
-
-    return bf16_pays()
-
-
 @dataclass
 class SchedulerConfig:
     """What the scheduler decides with: seats, token budget, length, block size, the memory policy, the batching mode,
@@ -230,12 +222,10 @@ class EngineConfig:
             raise ValueError(f"kv_offload_size must be a positive number of bytes, got {self.kv_offload_size!r}")
 
     @property
-    def torch_dtype_name(self) -> str:
-        if self.dtype in ("bfloat16", "bf16"):
-            return "bfloat16"
-        if self.dtype in ("float32", "fp32"):
-            return "float32"
-        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    def asked_dtype_name(self) -> str | None:
+        """The torch dtype `dtype` names; None for auto, which model/bf16_choice.torch_dtype_name decides by timing
+        both dtypes on this machine (the ISA flags do not tell whether bf16 pays)."""
+        return {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}.get(self.dtype)
 
     @property
     def kv_cache_torch_dtype_name(self) -> str:
@@ -244,7 +234,7 @@ class EngineConfig:
         the keys and values are rounded (`--dtype float32` keeps an fp32 cache, and fp32's exact output)."""
         if self.kv_cache_dtype != "auto":
             return "uint8" if self.kv_cache_dtype == "int8" else self.kv_cache_dtype
-        return "bfloat16" if self.dtype == "auto" else self.torch_dtype_name
+        return self.asked_dtype_name or "bfloat16"
 
     @property
     def kv_cache_bytes(self) -> int:

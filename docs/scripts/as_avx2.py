@@ -17,11 +17,11 @@ import tempfile
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read by oneDNN and ATen when torch loads: before any import of torch
 os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 
-import pagedllm.config as config  # noqa: E402
+import pagedllm.model.bf16_choice as bf16_choice  # noqa: E402
 import pagedllm.model.kernels as kernels  # noqa: E402
 import pagedllm.model.machine_cache as machine_cache  # noqa: E402
 
-config.cpu_has_fast_bf16 = lambda: False  # `--dtype auto` as such a CPU: fp32 arithmetic (over a bf16 KV cache)
+bf16_choice.bf16_pays = lambda: False  # `--dtype auto` as such a CPU: fp32 arithmetic (over a bf16 KV cache)
 
 kernels._CFLAGS = ["-O3", "-march=haswell", "-fopenmp"]  # part of the build's name: a build of its own
 os.environ.setdefault(machine_cache.CACHE_ENV, os.path.join(tempfile.gettempdir(), "pagedllm-as-avx2"))

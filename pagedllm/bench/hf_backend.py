@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.tokenizer import Tokenizer
 
 MODES = ("static", "continuous")
@@ -191,7 +192,7 @@ def run_hf(requests: Sequence[Request], model: str | None, dtype: str, mode: str
         raise ValueError("every request needs a prompt and output_len >= 1")
     config = EngineConfig(model=model, dtype=dtype, threads=threads, **cb_options)
     torch.set_num_threads(config.num_threads)
-    torch_dtype = getattr(torch, config.torch_dtype_name)
+    torch_dtype = getattr(torch, torch_dtype_name(config))
 
     t_load = time.perf_counter()
     hf, _, name = load_hf_model(model, torch_dtype, attn_implementation)
@@ -206,7 +207,7 @@ def run_hf(requests: Sequence[Request], model: str | None, dtype: str, mode: str
     n_in = sum(len(r.prompt_token_ids) for r in requests)
     n_out = sum(len(o) for o in outputs)
     result = {
-        "backend": "hf", "hf_mode": mode, "model": name, "dtype": config.torch_dtype_name,
+        "backend": "hf", "hf_mode": mode, "model": name, "dtype": torch_dtype_name(config),
         "threads": config.num_threads, "attn_implementation": attn_implementation,
         "batch_size": batch_size if mode == "static" else config.max_num_seqs,
         "num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,

@@ -16,6 +16,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.model import attention_dispatch, dispatch, kernel_timing, machine_cache
 from pagedllm.model.attention_dispatch import AttentionShape
+from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.layers import PackedWeight
 from pagedllm.model.model_runner import ModelRunner, kernel_variant
 
@@ -101,7 +102,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print_table(table)
     biggest = max((ws[0].shape for kind, ws in weights.items() if kind != "lm_head"), key=lambda s: s[0] * s[1])
     dtypes = dtype_times(biggest)
-    print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {config.torch_dtype_name})")
+    print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {torch_dtype_name(config)})")
     for i, rows in enumerate(DTYPE_ROWS):
         print(f"{rows:>6} " + " ".join(f"{d}={t[i] * 1e6:.0f} us" for d, t in dtypes.items()))
     shape = AttentionShape.of(runner.model_config, dtype, runner.kv_dtype, runner.block_size)

@@ -21,6 +21,7 @@ import torch
 from pagedllm.bench.roofline import ASSUMED_MEM_GBPS, Machine, decode_bound, local_machine
 from pagedllm.config import EngineConfig
 from pagedllm.engine.step_timers import PART_HELP, PARTS
+from pagedllm.model.bf16_choice import torch_dtype_name
 
 GIB = 1 << 30
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128)
@@ -174,16 +175,16 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.kv_cache_memory is None:
         args.kv_cache_memory = EngineConfig.kv_cache_memory
     base = EngineConfig.from_cli_args(args)
-    dtype = getattr(torch, base.torch_dtype_name)
+    dtype = getattr(torch, torch_dtype_name(base))
     torch.set_num_threads(base.num_threads)
     config = load_config(base.model)  # the shape, to size each run's KV cache before its engine
-    machine = machine_for(args, base.torch_dtype_name)
+    machine = machine_for(args, torch_dtype_name(base))
     print(f"Machine: {machine.peak_gflops:.0f} GFLOP/s matmul, {machine.mem_gbps:.0f} GB/s copy ({machine.source})")
     max_model_len = min(config.max_position_embeddings, base.max_model_len or config.max_position_embeddings)
     kv_dtype = getattr(torch, base.kv_cache_torch_dtype_name)
     pool_tokens = kv_pool_tokens(base, config, kv_dtype) if user_sized else None
     result: dict[str, Any] = {
-        "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": base.torch_dtype_name,
+        "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": torch_dtype_name(base),
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
         "max_num_batched_tokens": base.max_num_batched_tokens, "attention_backend": base.attention_backend,
         "quantization": base.quantization, "kv_cache_dtype": base.kv_cache_dtype,

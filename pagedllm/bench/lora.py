@@ -81,6 +81,7 @@ def save_adapters(args: argparse.Namespace) -> int:
 
 def cmd_lora(args: argparse.Namespace) -> int:
     from pagedllm import LLM, LoRARequest
+    from pagedllm.model.bf16_choice import torch_dtype_name
 
     if args.save_adapters:
         return save_adapters(args)
@@ -111,7 +112,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
         many = run(llm, prompts, args.output_len, [adapters[k] for k in zipf_picks(total, len(prompts), args.zipf,
                                                                                      rng)])
         many["adapter_loads"] = llm.engine.stats().lora_loads - loads_before
-    result = {"model": llm.engine.model_name, "dtype": config.torch_dtype_name, "threads": config.num_threads,
+    result = {"model": llm.engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
               "max_cpu_loras": config.max_cpu_loras, "rank": args.rank, "targets": list(targets),
               "max_loras": config.max_loras,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

@@ -180,6 +180,7 @@ def sharing_sizes(args: argparse.Namespace) -> dict[str, int]:
 
 def cmd_sharing(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.bf16_choice import torch_dtype_name
 
     config = EngineConfig.from_cli_args(args)
     sizes = sharing_sizes(args)
@@ -198,7 +199,7 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     texts = [doc for _, doc in docs]
     llm.generate([encode(texts[0])[:8]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
     result: dict = {
-        "model": engine.model_name, "dtype": config.torch_dtype_name, "threads": config.num_threads,
+        "model": engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
         "block_size": config.block_size, "num_blocks": engine.stats().num_total_blocks,
         "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
         "seed": args.seed, "quick": args.quick, "parts": sorted(parts), **sizes, "corpus_docstrings": len(docs),

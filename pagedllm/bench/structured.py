@@ -110,11 +110,12 @@ def measure(llm: Any, batch: list[dict[str, Any]], temperature: float, max_token
 
 def cmd_structured(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.bf16_choice import torch_dtype_name
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**vars(config))
     load_before = os.getloadavg()
-    result: dict[str, Any] = {"model": llm.engine.model_name, "dtype": config.torch_dtype_name,
+    result: dict[str, Any] = {"model": llm.engine.model_name, "dtype": torch_dtype_name(config),
                               "threads": config.num_threads, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                               "compile": compile_times(llm.engine, args.rounds * 3), "runs": []}
     c = result["compile"]

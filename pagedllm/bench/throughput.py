@@ -24,6 +24,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.bf16_choice import torch_dtype_name
 
     config = EngineConfig.from_cli_args(args)
     if args.backend == "hf":
@@ -53,7 +54,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     n_in = sum(len(r.prompt_token_ids) for r in requests)
     stats = llm.engine.stats()
     result = {
-        "model": llm.engine.model_name, "dtype": config.torch_dtype_name, "threads": config.num_threads,
+        "model": llm.engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
         "dataset": args.dataset, "seed": args.seed, "workload": workload,
         "num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 3),
@@ -80,13 +81,14 @@ def machine_bound(engine, config, requests: list[BenchRequest]) -> dict:
     import torch
 
     from pagedllm.bench.roofline import local_machine, workload_bound
+    from pagedllm.model.bf16_choice import torch_dtype_name
     from pagedllm.model.model_runner import kv_bytes_per_block
 
-    machine = local_machine(config.torch_dtype_name)
+    machine = local_machine(torch_dtype_name(config))
     pairs = [(len(r.prompt_token_ids), r.output_len * max(r.n, r.beam_width, 1)) for r in requests]
     kv_dtype = getattr(torch, config.kv_cache_torch_dtype_name)
     scheduler = config.scheduler_config
-    return workload_bound(engine.model_config, getattr(torch, config.torch_dtype_name), pairs, machine,
+    return workload_bound(engine.model_config, getattr(torch, torch_dtype_name(config)), pairs, machine,
                           int4=engine.num_int4_matmuls > 0,
                           kv_bytes_per_token=kv_bytes_per_block(engine.model_config, 1, kv_dtype),
                           tokens_per_step=1 + (scheduler.num_speculative_tokens if scheduler.speculates else 0),

@@ -22,6 +22,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_tier import TierBlock
 from pagedllm.engine.kv_store import KVFileStore, open_store, release_store
+from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.loader import checkpoint_path
 from pagedllm.model.model_runner import ModelRunner
 
@@ -39,7 +40,7 @@ def model_identity(config: EngineConfig, runner: ModelRunner) -> bytes:
     files = [os.path.join(path, name) for name in sorted(os.listdir(path))] if is_folder else [path]
     stats = [(os.path.basename(f), st.st_size, st.st_mtime_ns) for f in files if os.path.isfile(f)
              for st in (os.stat(f),)]
-    parts = (FORMAT, os.path.realpath(path), stats, dataclasses.asdict(runner.model_config), config.torch_dtype_name,
+    parts = (FORMAT, os.path.realpath(path), stats, dataclasses.asdict(runner.model_config), torch_dtype_name(config),
              str(runner.kv_dtype), runner.block_size, runner.kv_block_shape, sorted(runner.model.int8),
              runner.model.num_int4_matmuls)
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.config import EngineConfig
 from pagedllm.model import machine_cache
 from pagedllm.model.layers import PackedWeight
 
@@ -58,7 +59,7 @@ def cache_key() -> dict[str, str]:
             "shape": f"{ROWS}x{IN_FEATURES}x{OUT_FEATURES}"}
 
 
-_decided: dict[str, bool] = {}  # this process's decisions, by key: torch_dtype_name is read many times a start
+_decided: dict[str, bool] = {}  # this process's decisions, by key: a start asks for the dtype many times
 
 
 def bf16_pays(measure: Measure | None = None, refresh: bool = False) -> bool:
@@ -87,3 +88,8 @@ def bf16_pays(measure: Measure | None = None, refresh: bool = False) -> bool:
     _decided[memo] = pays
     return pays
 
+
+def torch_dtype_name(config: EngineConfig) -> str:
+    """The model's torch dtype: the one `--dtype` asks for, or under auto bf16 where bf16_pays, else fp32 (over a
+    bf16 KV cache: EngineConfig.kv_cache_torch_dtype_name)."""
+    return config.asked_dtype_name or ("bfloat16" if bf16_pays() else "float32")

@@ -18,6 +18,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.model import attention_dispatch, dispatch, heap, kernels
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.attention_dispatch import AttentionShape
+from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.layers import Int4Weight
 from pagedllm.model.llama import AttentionMetadata
 from pagedllm.model.loader import LoadedModel, ModelConfig, load_model
@@ -110,7 +111,7 @@ class ModelRunner:
         """Load the checkpoint, size the KV pool from the memory budget and build the kernels now, not on a request;
         the runner, the checkpoint's tokenizer and its name. Sets torch's threads: this process computes with them."""
         governor = start_threads(config.threads)
-        dtype = getattr(torch, config.torch_dtype_name)
+        dtype = getattr(torch, torch_dtype_name(config))
         # bf16: the file's 4-bit weights (and with them the int8 lm_head below) as before; fp32: only for its kernel
         keep_4bit = config.quantization != "none" and config.attention_backend != "reference" and (
             dtype == torch.bfloat16 or Int4Weight.kernel_available(dtype, kernels.load()))
@@ -128,7 +129,7 @@ class ModelRunner:
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         # which form each batch size takes is the kernels line's (dispatch.tune), not a fixed cut-off
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights, int8 allowed for: %s), %d KV blocks of %d "
-                    "tokens (%s)", loaded.name, config.torch_dtype_name, model.num_int4_matmuls,
+                    "tokens (%s)", loaded.name, torch_dtype_name(config), model.num_int4_matmuls,
                     ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:

@@ -5,6 +5,7 @@ import pytest
 
 from pagedllm.config import EngineConfig
 from pagedllm.model import bf16_choice, machine_cache
+from pagedllm.model.bf16_choice import torch_dtype_name
 
 BF16_FLAGS = "avx2 avx512_bf16 avx512f fma"
 
@@ -75,14 +76,14 @@ def test_a_timing_taken_beside_other_processes_is_used_but_not_cached(machine, m
 def test_engine_config_auto_follows_the_measured_choice(machine, monkeypatch):
     machine(BF16_FLAGS)
     monkeypatch.setattr(bf16_choice, "measure_matmuls", timings(0.0072, 0.0043, []))
-    assert EngineConfig(dtype="auto").torch_dtype_name == "float32"
+    assert torch_dtype_name(EngineConfig(dtype="auto")) == "float32"
     assert EngineConfig(dtype="auto").kv_cache_torch_dtype_name == "bfloat16"
-    assert EngineConfig(dtype="bfloat16").torch_dtype_name == "bfloat16"  # asked for: not measured
+    assert torch_dtype_name(EngineConfig(dtype="bfloat16")) == "bfloat16"  # asked for: not measured
     monkeypatch.setattr(bf16_choice, "_decided", {})
     monkeypatch.setattr(bf16_choice, "measure_matmuls", timings(0.002, 0.004, []))
-    assert EngineConfig(dtype="auto", kv_cache_dtype="float32").torch_dtype_name == "float32"  # cached: fp32 stands
+    assert torch_dtype_name(EngineConfig(dtype="auto", kv_cache_dtype="float32")) == "float32"  # cached: fp32 stands
     machine(BF16_FLAGS + " amx_bf16 amx_int8 amx_tile")
-    assert EngineConfig(dtype="auto").torch_dtype_name == "bfloat16"
+    assert torch_dtype_name(EngineConfig(dtype="auto")) == "bfloat16"
 
 
 def test_the_real_measurement_times_both_dtypes():

@@ -374,9 +374,9 @@ def test_a_cpu_without_an_exact_int8_product_runs_no_int8(tiny_model_dir, monkey
     """Without VNNI oneDNN's int8 products saturate (vpmaddubsw's int16 pairs), and without AVX2 there is no int8_gemm
     either: `auto` keeps the lm_head in its plain form, and `--quantization w8a8` is refused at start-up with why,
     not run with wrong sums."""
-    from pagedllm import config
+    from pagedllm.model import bf16_choice
 
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)  # auto: fp32, where the lm_head may go int8
+    monkeypatch.setattr(bf16_choice, "bf16_pays", lambda: False)  # auto: fp32, where the lm_head may go int8
     monkeypatch.setattr(kernels, "int8_available", lambda: False)
     llm = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
     assert llm.engine.runner.model.lm_head_weight.int8 is None and not llm.engine.runner.model.int8
@@ -408,12 +408,13 @@ def test_int8_products_are_exact_only_with_vnni(monkeypatch):
 def test_auto_fp32_may_run_the_lm_head_in_int8_and_keeps_fp32_greedy(tiny_model_dir, monkeypatch):
     """Where `--dtype auto` is fp32 (no fast bf16), the lm_head's int8 form is a candidate, its top candidates
     rescored in fp32: greedy tokens equal an explicit float32 engine's, which keeps no int8 form at all."""
-    from pagedllm import SamplingParams, config
+    from pagedllm import SamplingParams
+    from pagedllm.model import bf16_choice
 
     if not kernels.int8_available():
         pytest.skip("no exact int8 product here: the engine runs no int8")
 
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(bf16_choice, "bf16_pays", lambda: False)
     monkeypatch.setenv(dispatch.FORCE_ENV, "int8")
     auto = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", threads=1)
     exact = LLM(model=tiny_model_dir, kv_cache_memory="16MiB", dtype="float32", threads=1)

@@ -12,8 +12,8 @@ import math
 import pytest
 from conftest import write_gguf
 
-from pagedllm import LLM, SamplingParams, config
-from pagedllm.model import dispatch, kernel_timing, kernels, machine_cache
+from pagedllm import LLM, SamplingParams
+from pagedllm.model import bf16_choice, dispatch, kernel_timing, kernels, machine_cache
 from pagedllm.model.loader import Q4Weight
 from pagedllm.model.model_runner import kernel_variant
 
@@ -39,7 +39,7 @@ def fake_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(machine_cache, "others_since", lambda start: 0.0)
     monkeypatch.setattr(machine_cache, "_unsaved", {})
     monkeypatch.setattr(kernel_timing, "BUDGET_S", math.inf)
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(bf16_choice, "bf16_pays", lambda: False)
     monkeypatch.setattr(dispatch, "tune", functools.partial(dispatch.tune, timer=fake_timer))
 
 
