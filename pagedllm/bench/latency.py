@@ -175,8 +175,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.kv_cache_memory is None:
         args.kv_cache_memory = EngineConfig.kv_cache_memory
     base = EngineConfig.from_cli_args(args)
+    torch.set_num_threads(base.num_threads)  # first: the dtype choice is timed, and cached, for these threads
     dtype = getattr(torch, torch_dtype_name(base))
-    torch.set_num_threads(base.num_threads)
     config = load_config(base.model)  # the shape, to size each run's KV cache before its engine
     machine = machine_for(args, torch_dtype_name(base))
     print(f"Machine: {machine.peak_gflops:.0f} GFLOP/s matmul, {machine.mem_gbps:.0f} GB/s copy ({machine.source})")
