@@ -59,7 +59,9 @@ def cache_key() -> dict[str, str]:
             "shape": f"{ROWS}x{IN_FEATURES}x{OUT_FEATURES}"}
 
 
-_decided: dict[str, bool] = {}  # this process's decisions, by key: a start asks for the dtype many times
+# This process's decisions, by key but for the thread count: a start asks for the dtype many times, and a later ask,
+# after the thread governor moved torch's threads, must get the dtype the model was built in.
+_decided: dict[str, bool] = {}
 
 
 def bf16_pays(measure: Measure | None = None, refresh: bool = False) -> bool:
@@ -68,7 +70,7 @@ def bf16_pays(measure: Measure | None = None, refresh: bool = False) -> bool:
     if not bf16_flags():
         return False
     key = cache_key()
-    memo = json.dumps(key, sort_keys=True)
+    memo = json.dumps({k: v for k, v in key.items() if k != "threads"}, sort_keys=True)
     if memo in _decided and not refresh:
         return _decided[memo]
     file = machine_cache.cache_file(key, CACHE_PREFIX)

@@ -2,6 +2,7 @@
 bf16 where the CPU has no bf16 arithmetic."""
 
 import pytest
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.model import bf16_choice, machine_cache
@@ -99,3 +100,16 @@ def test_a_cached_file_without_both_timings_is_measured_again(machine):
     calls: list[int] = []
     assert bf16_choice.bf16_pays(timings(0.002, 0.004, calls)) is True
     assert len(calls) == 1
+
+
+def test_a_process_keeps_its_decision_when_its_threads_change(machine):
+    """The thread governor moves torch's threads while an engine runs: a later ask (a benchmark's report, the KV tier's
+    model identity) gets the dtype the model was built in, not a new measurement for the new thread count."""
+    machine(BF16_FLAGS)
+    threads = torch.get_num_threads()
+    assert bf16_choice.bf16_pays(timings(0.002, 0.004, [])) is True
+    try:
+        torch.set_num_threads(threads + 1)
+        assert bf16_choice.bf16_pays(unreachable) is True
+    finally:
+        torch.set_num_threads(threads)
