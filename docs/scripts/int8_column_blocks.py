@@ -1,6 +1,6 @@
 """The int8 lm_head's GEMM (torch._int_mm, oneDNN's VNNI kernel) over the default model's 49,152 x 576 shape: one
 call over all columns against calls over blocks of 4,096 or 8,192 columns (Int8Weight runs blocks of
-layers.INT8_COLUMN_BLOCK), best of 8, 2 threads.
+weight_forms.INT8_COLUMN_BLOCK), best of 8, 2 threads.
 
     python docs/scripts/int8_column_blocks.py
 """

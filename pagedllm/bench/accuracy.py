@@ -24,10 +24,13 @@ GATE_AGREEMENT = 0.95
 GATE_ERROR_RATIO = 1.25
 DEFAULT_VARIANTS = {"bf16": dict(dtype="bfloat16", quantization="none"),
                     "bf16 + int4 small steps": dict(dtype="bfloat16", quantization="int4"),
-                    "default (auto)": dict(dtype="bfloat16", quantization="auto"),
-                    "default + int8 KV cache": dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8"),
-                    # what `dtype` auto runs on a CPU without fast bf16: fp32 arithmetic over a bf16 KV cache
-                    "fp32 + bf16 KV cache": dict(dtype="float32", quantization="auto", kv_cache_dtype="bfloat16")}
+                    "bf16 default": dict(dtype="bfloat16", quantization="auto"),
+                    "bf16 default + int8 KV": dict(dtype="bfloat16", quantization="auto", kv_cache_dtype="int8"),
+                    # an explicit float32 over a bf16 KV cache: fp32's own matmuls
+                    "fp32 + bf16 KV cache": dict(dtype="float32", quantization="auto", kv_cache_dtype="bfloat16"),
+                    # the defaults as `--dtype auto` chooses here: bf16 where it pays, else fp32 arithmetic over a
+                    # bf16 cache with the int8 lm_head and, on AVX512-FP16, the 4-bit weights' fp16 products
+                    "defaults (dtype auto)": dict(dtype="auto", quantization="auto")}
 
 
 @dataclass

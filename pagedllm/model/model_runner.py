@@ -62,6 +62,13 @@ def int8_matmuls(config: EngineConfig, dtype: torch.dtype, has_4bit: bool) -> tu
     return int8
 
 
+def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The 4-bit weights may run with fp16 products (AVX512-FP16: twice fp32's FMA rate; sums in fp32 every 64 inputs,
+    0.6x bf16's error on the layers' shapes) where `--dtype auto` chose fp32 and quantization is left to the engine;
+    the measured dispatch takes them where they are faster. An explicit float32 stays exact."""
+    return config.quantization == "auto" and dispatch.auto_fp32(config.dtype, dtype)
+
+
 def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
     """One token's K (or V) in one layer's cache: [num_kv_heads, head_dim], or int8 records (uint8)."""
     row = kv_record_len(config.head_dim) if kv_dtype == torch.uint8 else config.head_dim
@@ -154,7 +161,8 @@ class ModelRunner:
             ONEDNN_PRIMITIVE_CACHE_CAPACITY, dtype, loaded.name, variant)))
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         planned = dispatch.planned_forms(dtype, loaded.name, variant)  # the forms the cached routes take, or None
-        model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned)
+        model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned,
+                      f16=fp16_products(config, dtype))
         dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(

@@ -69,7 +69,8 @@ class CausalLMClass(Protocol):
 
     def __call__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
-                 int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None) -> CausalLM: ...
+                 int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None,
+                 f16: bool = False) -> CausalLM: ...
 
 
 def unsupported(found: object, source: str, supported: Collection[str] = SUPPORTED_ARCHITECTURES,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import write_gguf
 
-from pagedllm.model import kernels, layers
+from pagedllm.model import kernels, weight_forms
 from pagedllm.model.layers import (
     BF16_GEMM_MAX_ROWS,
     INT4_MAX_ROWS,
@@ -385,13 +385,14 @@ def test_int8_matmul_is_the_quantized_product(ext, monkeypatch, dtype: torch.dty
     else:
         skip_unless_int8_exact()
         monkeypatch.setattr(Int8Weight, "kernel_available", staticmethod(lambda ext, in_features: False))
-        monkeypatch.setattr(layers, "INT8_COLUMN_BLOCK", {"one": 4096, "three": 16, "ragged": 20}[path.split("-")[2]])
+        block = {"one": 4096, "three": 16, "ragged": 20}[path.split("-")[2]]
+        monkeypatch.setattr(weight_forms, "INT8_COLUMN_BLOCK", block)
     gen = torch.Generator().manual_seed(rows)
     w, x, bias = torch.randn(48, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(48)
     weight = Int8Weight(w.to(dtype), ext)
     assert (weight.packed is not None) is (path == "kernel")
     if path != "kernel":
-        assert len(weight.blocks) == -(-48 // layers.INT8_COLUMN_BLOCK)
+        assert len(weight.blocks) == -(-48 // weight_forms.INT8_COLUMN_BLOCK)
     out = weight.mm(x.to(dtype), bias.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, 48)
     limit = ext.int8_gemm_input_max() if path == "kernel" else 127  # the activations' range: 64 on AVX2's kernel
@@ -594,7 +595,7 @@ def test_int8_outlier_channels_go_through_the_plain_weight(ext, dtype: torch.dty
     split, plain = Int8Weight(w, ext, outliers=2), Int8Weight(w, ext)
     assert torch.equal(split.int8_rows(), plain.int8_rows())
     assert torch.equal(split.plain_t, w.t().contiguous())
-    assert torch.equal(layers.transposed(w, rows=5), w.t().contiguous())  # blocks that do not divide the rows
+    assert torch.equal(weight_forms.transposed(w, rows=5), w.t().contiguous())  # blocks that do not divide the rows
     rest = x.clone()
     rest[:, [3, 40]] = 0
     expected = plain.mm(rest).double() + x[:, [3, 40]].double() @ w[:, [3, 40]].double().T

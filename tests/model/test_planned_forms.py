@@ -10,6 +10,7 @@ import logging
 import math
 
 import pytest
+import torch
 from conftest import write_gguf
 
 from pagedllm import LLM, SamplingParams
@@ -17,9 +18,10 @@ from pagedllm.model import bf16_choice, dispatch, kernel_timing, kernels, machin
 from pagedllm.model.loader import Q4Weight
 from pagedllm.model.model_runner import kernel_variant
 
-# the 4-bit kernel wins every row count it can take, then int8, then oneDNN: a weight with a 4-bit form routes all
-# its rows there, the lm_head (plain in the file) to int8
-PER_ROW = {"int4": 1.0, "int8": 2.0, "int8_mm": 3.0, "bf16_gemm": 4.0, "bf16_plain": 6.0, "onednn": 5.0}
+# the 4-bit kernel wins every row count it can take (its fp16 products, where they run, second), then int8, then
+# oneDNN: a weight with a 4-bit form routes all its rows there, the lm_head (plain in the file) to int8
+PER_ROW = {"int4": 1.0, "int4_f16": 1.5, "int8": 2.0, "int8_mm": 3.0, "bf16_gemm": 4.0, "bf16_plain": 6.0,
+           "onednn": 5.0}
 
 
 def fake_timer(kind: str, path: str, rows: int, run) -> float:
@@ -77,12 +79,28 @@ def test_a_later_start_makes_only_the_routed_forms(q4_gguf, monkeypatch):
     second = engine(q4_gguf)  # reads the table before its build
     assert dense == []  # the 4-bit kernel alone takes every layer matmul: no dense rows made
     again = forms(second)
-    assert again["qkv"][0] == (frozenset({"int4"}), frozenset({"onednn"}))
     model = second.engine.runner.model
+    qkv_forms = model.possible_forms(model.layers[0].qkv_weight.shape, "qkv", True)  # onednn, int4 (+ int4_f16)
+    assert again["qkv"][0] == (frozenset({"int4"}), qkv_forms - {"int4"}) and "onednn" in qkv_forms
     lm_head_forms = model.possible_forms(model.lm_head_weight.shape, "lm_head", False)  # onednn, int8, int8_mm if exact
     assert again["lm_head"][0] == (frozenset({"int8"}), lm_head_forms - {"int8"}) and "onednn" in lm_head_forms
     assert {kind: [m for m, _ in ws] for kind, ws in again.items()} == {kind: [m for m, _ in ws] for kind, ws in
                                                                           made.items()}
+    assert greedy(second) == greedy(first)
+
+
+def test_a_later_start_keeps_the_fp16_form_its_routes_take(q4_gguf, monkeypatch):
+    """Where the 4-bit weights' fp16 products win (AVX512-FP16, `--dtype auto` on fp32), a later start builds that
+    form (from the same nibbles, beside the exact kernel's name) and runs it; where they lose it is not kept."""
+    from pagedllm.model.weight_forms import Int4Weight
+    if not Int4Weight.f16_available(torch.float32, kernels.load()):
+        pytest.skip("no fp16 4-bit kernel on this CPU (it needs AVX512-FP16)")
+    monkeypatch.setitem(PER_ROW, "int4_f16", 0.5)
+    first = engine(q4_gguf)
+    assert forms(first)["qkv"][0] == (frozenset({"int4", "int4_f16"}), frozenset())
+    second = engine(q4_gguf)
+    assert forms(second)["qkv"][0] == (frozenset({"int4", "int4_f16"}), frozenset({"onednn"}))
+    assert {w.path_for(64) for w in second.engine.runner.model.packed_weights()["gate_up"]} == {"int4_f16"}
     assert greedy(second) == greedy(first)
 
 

@@ -5,7 +5,7 @@ import time
 import torch
 
 from pagedllm.model import heap
-from pagedllm.model.layers import transposed
+from pagedllm.model.weight_forms import transposed
 
 torch.set_num_threads(2)
 with heap.build_in_heap():
