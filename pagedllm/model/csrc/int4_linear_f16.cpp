@@ -15,7 +15,7 @@
 // (K inputs x 64 outputs, fp16, k pairs interleaved: see dequantize_tile) is dequantized once per call into a
 // per-thread buffer the L2 holds, then blocks of kBlockRows rows run kBlockRows x 4 fp16 accumulators over kChunk
 // inputs at a time, added into fp32 sums in L1. Measured on an Intel Xeon (model 207) with AVX512-FP16 and no AMX, 2
-// threads: 1.3-1.4x int4_linear_f32's speed at 16 rows, 1.5-1.7x from 64 (docs/performance.md).
+// threads: 1.1-1.3x int4_linear_f32's speed at 16 rows, 1.3-1.6x from 64 (docs/performance.md).
 // Layout: int4_linear_f32.cpp's (Int4Weight.pack_f32).
 
 #include <ATen/ATen.h>
