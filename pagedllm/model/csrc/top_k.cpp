@@ -69,10 +69,8 @@ inline float chunk_exp_sum(const float* x, int64_t n, float m) {
 // Whether any of x[0..16) is above t (a NaN is not).
 inline bool any_above(const float* x, float t) {
 #if defined(__AVX512F__)
-  const vi16 above = vload16(x) > (v16{} + t);
-  bool any = false;
-  for (int j = 0; j < 16; ++j) any |= above[j] != 0;
-  return any;
+  // one compare into a mask register (the vector extension's `>` then OR of 16 lanes was extracted lane by lane)
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
 #else
   const __m256 tv = _mm256_set1_ps(t);
   const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(x), tv, _CMP_GT_OQ);
