@@ -20,7 +20,7 @@ class Int4Weight:
     w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
     csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
     the loader's fp32 ones; each has its own layout. An fp32 weight with `f16` also runs csrc/int4_linear_f16.cpp
-    (AVX512-FP16: fp16 products at twice fp32's FMA rate, sums in fp32 every 64 inputs; not exact, so only where
+    (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long; not exact, so only where
     `--dtype auto` chose fp32, and where dispatch measures it faster): the same packed nibbles, no more memory."""
 
     GROUP = 32

@@ -55,10 +55,10 @@ def test_fp16_products_are_closer_to_fp32_than_bf16s(q4_0, n, k):
             assert torch.equal(weight.mm_f16(x[r:r + 1].clone()), out[r:r + 1])
 
 
-@pytest.mark.parametrize("magnitude", [1e-30, 1e-6, 1.0, 1e4, 1e30])
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-30, 1e-6, 1.0, 1e4, 1e30])
 def test_any_activation_scale_stays_finite_and_close(magnitude):
-    """Rows of any magnitude fp32 holds (and weights far from 1) come out finite and as close: each row is scaled by a
-    power of two into fp16's range, the weights too, and both are divided out exactly."""
+    """Rows of any magnitude fp32 holds, down to its subnormals (and weights far from 1), come out finite and as close:
+    each row is scaled by a power of two into fp16's range, the weights too, and both are divided out exactly."""
     ext = f16_kernel()
     q, scale, min_ = random_q4(128, 576, False, 1)
     scale, min_ = scale * 512, min_ * 512  # weights up to ~40: still fp16 values, scaled below 1 by the kernel

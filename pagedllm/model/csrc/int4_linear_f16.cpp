@@ -8,7 +8,8 @@
 // added in fp32. The scales keep every fp16 sum finite: the weights are scaled so that the largest is below 1 (the
 // caller's w_scale), each row so that its largest is below 2^kRowBoundLog2, and kChunk / 2 * 2^kRowBoundLog2 < 65,504;
 // both scales are powers of two, divided out exactly. On the default model's layer shapes the relative error of a
-// product is ~1.4e-3 against bf16 activations and weights' ~2.4e-3 (tests/model/test_int4_f16.py). The engine runs it
+// product is ~1.0e-3 against rounding activations and weights to bf16's ~2.4e-3 (one outlier channel x30:
+// docs/results/side_by_side/2026-11-30/xeon_fp16/int4_f16_speed.txt). The engine runs it
 // only where `--dtype auto` chose fp32 and its measured route takes it (model/dispatch.py).
 //
 // Schedule (int4_linear_f32.cpp's wide one): the threads share half tiles of 32 output columns; each tile's panel
@@ -90,7 +91,8 @@ float scaled_row(const float* x, int64_t K, _Float16* xh) {
   const float largest = _mm512_reduce_max_ps(mx);
   int e = 0;
   std::frexp(largest, &e);  // largest = f * 2^e, f in [0.5, 1); 0, inf and NaN leave the row unscaled
-  const float scale = std::isfinite(largest) && largest > 0 ? std::ldexp(1.0f, kRowBoundLog2 - e) : 1.0f;
+  // at most 2^126 (a row of fp32 subnormals would otherwise ask for more than fp32 holds), so 1 / scale is normal too
+  const float scale = std::isfinite(largest) && largest > 0 ? std::ldexp(1.0f, std::min(kRowBoundLog2 - e, 126)) : 1.0f;
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t k = 0; k < K; k += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xh + k),
