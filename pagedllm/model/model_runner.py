@@ -136,8 +136,9 @@ class ModelRunner:
         heap.trim_after_build(checkpoint_bytes)  # the loader's plain weights and the forms no route takes: freed
         eos = set(loaded.config.eos_token_ids) | ({loaded.tokenizer.eos_token_id} - {None})
         # which form each batch size takes is the kernels line's (dispatch.tune), not a fixed cut-off
-        logger.info("loaded %s (%s, %d matmuls with 4-bit weights, int8 allowed for: %s), %d KV blocks of %d "
+        logger.info("loaded %s (%s, %d matmuls with 4-bit weights%s, int8 allowed for: %s), %d KV blocks of %d "
                     "tokens (%s)", loaded.name, torch_dtype_name(config), model.num_int4_matmuls,
+                    " (fp16 products allowed)" if model.f16 else "",
                     ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:

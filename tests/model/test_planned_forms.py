@@ -91,7 +91,8 @@ def test_a_later_start_makes_only_the_routed_forms(q4_gguf, monkeypatch):
 
 def test_a_later_start_keeps_the_fp16_form_its_routes_take(q4_gguf, monkeypatch):
     """Where the 4-bit weights' fp16 products win (AVX512-FP16, `--dtype auto` on fp32), a later start builds that
-    form (from the same nibbles, beside the exact kernel's name) and runs it; where they lose it is not kept."""
+    form (from the same nibbles, beside the exact kernel's name) and runs it (where they lose, the test above: the
+    later start's weights have the exact kernel's form alone)."""
     from pagedllm.model.weight_forms import Int4Weight
     if not Int4Weight.f16_available(torch.float32, kernels.load()):
         pytest.skip("no fp16 4-bit kernel on this CPU (it needs AVX512-FP16)")
