@@ -15,10 +15,9 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.model import attention_dispatch, dispatch, kernel_timing, machine_cache
-from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.layers import PackedWeight
-from pagedllm.model.model_runner import ModelRunner, kernel_variant
+from pagedllm.model.model_runner import ModelRunner, attention_shape, kernel_variant
 
 DTYPE_ROWS = (1, 64, 256)
 
@@ -105,8 +104,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {torch_dtype_name(config)})")
     for i, rows in enumerate(DTYPE_ROWS):
         print(f"{rows:>6} " + " ".join(f"{d}={t[i] * 1e6:.0f} us" for d, t in dtypes.items()))
-    shape = AttentionShape.of(runner.model_config, dtype, runner.kv_dtype, runner.block_size)
-    _, attention = attention_dispatch.tune(shape, refresh=True)
+    _, attention = attention_dispatch.tune(attention_shape(config, runner.model_config, dtype, runner.kv_dtype),
+                                           refresh=True)
     if attention is not None:
         print_attention(attention)
     if args.output_json:

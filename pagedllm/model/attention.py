@@ -30,11 +30,13 @@ class AttentionRoute:
     """Which kernel attends each sequence: the tiled (prefill) one from this many query rows (queries x query heads
     per kv head), the row (decode) one below; `few_tile_min_rows` in steps of fewer than 4 sequences per thread,
     where the row kernel splits contexts over threads. `tile_pairs`: bf16 tiles on vdpbf16ps where the CPU has it
-    (else their fp32 kernel). Measured where the engine runs (model/attention_dispatch.py)."""
+    (else their fp32 kernel); `tile_f16`: fp32 queries over a bf16 cache with fp16 products (AVX512-FP16; only where
+    `--dtype auto` chose fp32). Measured where the engine runs (model/attention_dispatch.py)."""
 
     tile_min_rows: int = 20
     few_tile_min_rows: int = 20
     tile_pairs: bool = True
+    tile_f16: bool = False
 
 
 STATIC_ROUTE = AttentionRoute()  # the cut-off measured by hand on an Intel Xeon without AVX512-BF16
@@ -151,7 +153,8 @@ def cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q = q.contiguous()
     return ext.paged_attention(q, k_cache, v_cache, _int32(block_tables), _int32(context_lens),
                                _int32(query_start_loc), float(scale), int(max_query_len), int(route.tile_min_rows),
-                               int(route.few_tile_min_rows), bool(route.tile_pairs))
+                               int(route.few_tile_min_rows), bool(route.tile_pairs),
+                               bool(route.tile_f16))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

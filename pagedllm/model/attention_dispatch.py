@@ -5,7 +5,8 @@ CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the 
 alone. So at the first start on a machine the engine times both kernels on the model's own attention shape at a few
 query counts, in a busy step (every sequence its own task) and in steps of few sequences (fewer than 4 per thread: a
 run's tail, where drafts are verified a few queries at a time), and the tiled kernel's two forms on a prompt where both
-exist; the route is cached beside the kernel table (model/machine_cache.py).
+exist (bf16 queries: vdpbf16ps or fp32; fp32 queries where `--dtype auto` chose fp32: fp16 products or fp32); the
+route is cached beside the kernel table (model/machine_cache.py).
 PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -76,10 +78,13 @@ class AttentionShape:
     dtype: torch.dtype  # the queries' (the model's)
     kv_dtype: torch.dtype  # the cache's: the model's, or uint8 for int8 records
     block_size: int
+    f16: bool = False  # fp16 products allowed (`--dtype auto` chose fp32): fp32 tiles over a bf16 cache may take them
 
     @classmethod
-    def of(cls, config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int) -> AttentionShape:
-        return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype, kv_dtype, block_size)
+    def of(cls, config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+           f16: bool = False) -> AttentionShape:
+        return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype, kv_dtype, block_size,
+                   f16)
 
     @property
     def group(self) -> int:
@@ -88,7 +93,17 @@ class AttentionShape:
     def key(self) -> dict[str, str]:
         return {**machine_cache.machine_key(), "attention": ATTENTION_VERSION, "build": kernels.source_digest(),
                 "heads": f"{self.heads}/{self.kv_heads}x{self.head_dim}", "block_size": str(self.block_size),
-                "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+                "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                **({"f16": "allowed"} if self.f16 else {})}
+
+    def tile_forms(self, ext: ModuleType) -> tuple[str, str] | None:
+        """The tiled kernel's two forms timed against each other here, the cheaper arithmetic's first; None where
+        only the fp32 one runs this shape."""
+        if self.dtype == self.kv_dtype == torch.bfloat16 and ext.tile_pairs_supported():
+            return "pairs", "fp32"
+        if self.f16 and self.dtype == torch.float32 and self.kv_dtype == torch.bfloat16 and ext.tile_f16_supported():
+            return "f16", "fp32"
+        return None
 
 
 @dataclass
@@ -97,7 +112,7 @@ class AttentionTable:
 
     rows: dict[str, list[int]]  # per regime: the query rows timed, ascending
     times: dict[str, dict[str, list[float]]]  # per regime, per kernel ("rows", "tile"): seconds per call
-    tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" / "fp32": where both exist
+    tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" or "f16", and "fp32": where both exist
     top_rows: int = 0  # the most query rows a regime's timing would reach (QUERY_COUNTS[-1] x the query group)
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -105,10 +120,13 @@ class AttentionTable:
     others_cpu: float = 0.0
 
     def route(self) -> AttentionRoute:
-        pairs = self.tile_forms.get("pairs", 0.0) * (1 + TIE) < self.tile_forms.get("fp32", math.inf)
         busy, few = (self.boundary(r, static) for r, static in zip(REGIMES, (STATIC_ROUTE.tile_min_rows,
                                                                              STATIC_ROUTE.few_tile_min_rows)))
-        return AttentionRoute(busy, few, pairs or "pairs" not in self.tile_forms)
+        return AttentionRoute(busy, few, "pairs" not in self.tile_forms or self.faster("pairs"), self.faster("f16"))
+
+    def faster(self, form: str) -> bool:
+        """Whether the tile form was timed and beat the fp32 form by more than TIE."""
+        return form in self.tile_forms and self.tile_forms[form] * (1 + TIE) < self.tile_forms["fp32"]
 
     def boundary(self, regime: str, static: int) -> int:
         """The regime's crossover; where the budget ran out before its biggest count and the row kernel won the last
@@ -123,7 +141,9 @@ class AttentionTable:
         route = self.route()
         forms = ""
         if self.tile_forms:
-            forms = (f"; bf16 tiles {'on vdpbf16ps' if route.tile_pairs else 'in fp32'} (a {PROMPT}-token prompt "
+            taken = (f"bf16 tiles {'on vdpbf16ps' if route.tile_pairs else 'in fp32'}" if "pairs" in self.tile_forms
+                     else f"fp32 tiles {'with fp16 products' if route.tile_f16 else 'in fp32'}")
+            forms = (f"; {taken} (a {PROMPT}-token prompt "
                      + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.tile_forms.items()) + ")")
         return (f"tiled kernel from {route.tile_min_rows} query rows in busy steps, from "
                 f"{route.few_tile_min_rows} in steps of few sequences{forms}")
@@ -237,20 +257,21 @@ def _run_all(calls: list[Callable[[], object]]) -> None:
 
 
 def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = BUDGET_S) -> AttentionTable:
-    """The tile forms (bf16 over bf16 where the build has vdpbf16ps), then the row and tiled kernels at
+    """The tile forms (AttentionShape.tile_forms), then the row and tiled kernels at
     QUERY_COUNTS in each regime, the two in turn, each coarse to fine (next_count): a spent budget costs both their
     boundaries' resolution, not one regime its measurement."""
     ext = kernels.load()  # built (or loaded) before the clock starts
     start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
     table = AttentionTable(rows={r: [] for r in REGIMES}, times={r: {"rows": [], "tile": []} for r in REGIMES},
                            top_rows=QUERY_COUNTS[-1] * shape.group)
-    pairs = True
-    if shape.dtype == shape.kv_dtype == torch.bfloat16 and ext.tile_pairs_supported():
+    if (names := shape.tile_forms(ext)) is not None:
         prompt = _Step.build(shape, [PROMPT], gen)
-        forms = {name: prompt.runs(PROMPT, AttentionRoute(1, 1, name == "pairs"), gen) for name in ("pairs", "fp32")}
+        forms = {name: prompt.runs(PROMPT, AttentionRoute(1, 1, name == "pairs", name == "f16"), gen)
+                 for name in names}
         table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)
-        pairs = table.route().tile_pairs
-    kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, pairs), "tile": AttentionRoute(1, 1, pairs)}
+    taken = table.route()
+    kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, taken.tile_pairs, taken.tile_f16),
+                     "tile": AttentionRoute(1, 1, taken.tile_pairs, taken.tile_f16)}
     steps: dict[str, list[_Step]] = {}
     won: dict[str, dict[int, bool]] = {r: {} for r in REGIMES}  # per regime: QUERY_COUNTS index -> tiled won
     def spent() -> bool:

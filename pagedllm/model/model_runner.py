@@ -63,11 +63,18 @@ def int8_matmuls(config: EngineConfig, dtype: torch.dtype, has_4bit: bool) -> tu
 
 
 def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
-    """The 4-bit weights may run with fp16 products (AVX512-FP16: twice fp32's multiply-adds per instruction; each
-    lane's fp16 sum takes 32 inputs before fp32 does; 0.19x bf16's error in the accuracy gate) where `--dtype auto`
-    chose fp32 and quantization is left to the engine; the measured dispatch takes them where they are faster. An
-    explicit float32 (or int4) stays exact."""
+    """The 4-bit weights and the prompts' attention may run with fp16 products (AVX512-FP16: twice fp32's
+    multiply-adds per instruction; each lane's fp16 sum takes at most 32-48 products before fp32 does) where `--dtype
+    auto` chose fp32 and quantization is left to the engine; the measured dispatches take them where they are faster.
+    An explicit float32 (or int4) stays exact."""
     return config.quantization == "auto" and dispatch.auto_fp32(config.dtype, dtype)
+
+
+def attention_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype
+                    ) -> AttentionShape:
+    """What the attention dispatch measures for this engine: the model's heads, the dtypes, whether fp16 products
+    are allowed."""
+    return AttentionShape.of(model, dtype, kv_dtype, config.block_size, f16=fp16_products(config, dtype))
 
 
 def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
@@ -167,8 +174,7 @@ class ModelRunner:
                       f16=fp16_products(config, dtype))
         dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
-            model.attention_route, _ = attention_dispatch.tune(
-                AttentionShape.of(loaded.config, dtype, kv_dtype, config.block_size))
+            model.attention_route, _ = attention_dispatch.tune(attention_shape(config, loaded.config, dtype, kv_dtype))
         return model
 
     @property

@@ -30,6 +30,6 @@ def test_the_avx2_build_equals_the_reference(haswell, dtype, kv_dtype, heads, ke
     b.q = torch.randn(b.q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = haswell.paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens.int(),
                                   b.query_start_loc.int(), b.q.shape[-1] ** -0.5, b.max_query_len, kernel, kernel,
-                                  True)
+                                  True, True)
     assert out.dtype == dtype and out.shape == b.q.shape
     assert_close(out, b.run("reference"))

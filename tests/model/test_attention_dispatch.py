@@ -135,6 +135,30 @@ def test_the_bf16_tile_form_is_measured_where_the_cpu_has_both(ext, pairs, fp32,
     assert set(table.tile_forms) == {"pairs", "fp32"} and table.route().tile_pairs is chosen
 
 
+@pytest.mark.parametrize(("f16", "fp32", "chosen"), [(1.0, 2.0, True), (1.0, 1.02, False), (2.0, 1.0, False)],
+                         ids=["f16-faster", "a-tie-keeps-fp32", "fp32-faster"])
+def test_the_fp16_tile_form_is_measured_only_where_auto_allows_it(ext, f16, fp32, chosen):
+    """fp32 queries over a bf16 cache: the fp16-products form is timed against the fp32 one where the shape allows it
+    (`--dtype auto` chose fp32) and the build has AVX512-FP16; taken only where it wins by more than TIE. Without the
+    allowance nothing is timed (an explicit float32 stays exact), and the two shapes are cached apart."""
+    if not ext.tile_f16_supported():
+        pytest.skip("no AVX512-FP16: the fp32 tiles have one form here")
+    allowed = ad.AttentionShape(6, 2, 32, torch.float32, torch.bfloat16, 16, f16=True)
+    exact = ad.AttentionShape(6, 2, 32, torch.float32, torch.bfloat16, 16)
+
+    def timer(what, kernel, rows, run):
+        return {"f16": f16, "fp32": fp32}[kernel] if what == "prompt" else crossing_at(40, 10)(what, kernel, rows,
+                                                                                                 run)
+    table = ad.measure(allowed, timer)
+    assert set(table.tile_forms) == {"f16", "fp32"} and table.route().tile_f16 is chosen
+    assert table.route().tile_pairs  # the bf16 queries' form is not in question here
+    assert ("with fp16 products" if chosen else "fp32 tiles in fp32") in table.summary()
+    plain = ad.measure(exact, timer)
+    assert plain.tile_forms == {} and not plain.route().tile_f16
+    assert allowed.key() != exact.key() and exact.key() == ad.AttentionShape(6, 2, 32, torch.float32,
+                                                                             torch.bfloat16, 16).key()
+
+
 def test_the_route_is_cached_per_machine_and_shape_and_reused(ext, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="pagedllm")
     first, table = ad.tune(SHAPE, timer=crossing_at(busy=40, few=10))

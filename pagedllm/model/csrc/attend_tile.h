@@ -41,6 +41,23 @@ inline void qk_micro_avx2(const float* const* krow, const float* Qt, int64_t Mp,
 }
 #endif
 
+// The running max `start` of 16 rows folded with `fold(t, x)` over the chunk's keys t < cn, in four chains: one chain
+// waited on each vmaxps (4 cycles a key; 7% of the fp16 tile's time at 1,900 tokens).
+template <typename V>
+inline V max4(V a, V b, V c, V d) {
+  const auto mx = [](V x, V y) { return x > y ? x : y; };
+  return mx(mx(a, b), mx(c, d));
+}
+
+template <typename V, typename Fold>
+inline V chunk_max(V start, int64_t cn, Fold&& fold) {
+  V a = start, b = start, c = start, d = start;
+  int64_t t = 0;
+  for (; t + 4 <= cn; t += 4) a = fold(t, a), b = fold(t + 1, b), c = fold(t + 2, c), d = fold(t + 3, d);
+  for (; t < cn; ++t) a = fold(t, a);
+  return max4(a, b, c, d);
+}
+
 // The online softmax of one chunk's scores ST[t][r0 .. r0 + 16) (keys c0 .. c0 + cn): row r sees the keys up to
 // pos[r] (`masked`: some do not see them all); the others become -inf scores and zero probabilities. The running max
 // m, sum l and the factor alpha for the row's earlier sums are updated in place.
@@ -91,7 +108,7 @@ inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t 
       mx = vmax(mx, sv);
     }
   } else {
-    for (int64_t t = 0; t < cn; ++t) mx = vmax(mx, vload(ST + t * Mp + r0));
+    mx = chunk_max(m_old, cn, [&](int64_t t, v16 x) { return vmax(x, vload(ST + t * Mp + r0)); });
   }
   v16 sum = {};
   for (int64_t t = 0; t < cn; ++t) {
@@ -107,20 +124,22 @@ inline void tile_softmax(float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t 
 }
 #endif
 
-#if defined(__AVX512BF16__)
-// tile_softmax for the bf16 tiles: the same running max, sums and alpha, the probabilities going straight to bf16
-// key pairs PP[i * Mp + r] = (key 2i, key 2i + 1) of row r, rounded to nearest even (one vcvtne2ps2bf16 and one
-// interleave) instead of back to ST and through a second pass; their exp to ~3e-6 (exp2_poly4), far below bf16's
-// rounding. A missing last key of a pair counts as zero.
+#if defined(__AVX512BF16__) || defined(__AVX512FP16__)
+// tile_softmax for the bf16 and fp16 tiles: the same running max, sums and alpha, the probabilities going straight to
+// 16-bit key pairs PP[i * Mp + r] = (key 2i, key 2i + 1) of row r (to_pairs(a, b): keys 2i and 2i + 1 of 16 rows
+// rounded to nearest even, a's in the low half; then one interleave) instead of back to ST and through a second pass;
+// their exp to ~3e-6 (exp2_poly4), far below bf16's or fp16's rounding. A missing last key of a pair counts as zero.
+template <typename ToPairs>
 inline void tile_softmax_pairs(const float* ST, int64_t Mp, int64_t r0, int64_t cn, int64_t c0, const int32_t* pos,
-                               bool masked, float* m, float* l, float* alpha, uint32_t* PP) {
+                               bool masked, float* m, float* l, float* alpha, uint32_t* PP, ToPairs&& to_pairs) {
   const __m512i pv = _mm512_loadu_si512(pos + r0), order = _mm512_loadu_si512(kPairOrder);
   const auto seen = [&](int64_t t) -> __mmask16 {  // lanes whose row sees key c0 + t
     return masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(c0 + t)), pv) : 0xFFFF;
   };
   const __m512 m_old = _mm512_loadu_ps(m + r0);
-  __m512 mx = m_old;
-  for (int64_t t = 0; t < cn; ++t) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_loadu_ps(ST + t * Mp + r0));
+  const __m512 mx = chunk_max(m_old, cn, [&](int64_t t, __m512 x) {
+    return _mm512_mask_max_ps(x, seen(t), x, _mm512_loadu_ps(ST + t * Mp + r0));
+  });
   const auto prob = [&](int64_t t) {
     const __m512 e = vexp2_512(_mm512_loadu_ps(ST + t * Mp + r0) - mx, [](__m512 f) { return exp2_poly4(f); });
     return _mm512_maskz_mov_ps(seen(t), e);
@@ -131,7 +150,7 @@ inline void tile_softmax_pairs(const float* ST, int64_t Mp, int64_t r0, int64_t 
     sum += a;
     __m512 b = _mm512_setzero_ps();
     if (t + 1 < cn) sum += b = prob(t + 1);
-    _mm512_storeu_si512(PP + t / 2 * Mp + r0, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+    _mm512_storeu_si512(PP + t / 2 * Mp + r0, _mm512_permutexvar_epi16(order, to_pairs(a, b)));
   }
   const __m512 al = vexp2_512(m_old - mx, [](__m512 f) { return exp2_poly(f); });
   _mm512_storeu_ps(alpha + r0, al);
@@ -173,7 +192,9 @@ inline void tile_probs_values_bf16(float* O, int64_t D, const float* ST, int64_t
                                    int64_t cn, int64_t c0, const int32_t* pos, bool masked, float* m, float* l,
                                    float* alpha, uint32_t* PP, const uint32_t* VP) {
 #if defined(__AVX512BF16__)
-  for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP);
+  const auto to_pairs = [](__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); };
+  for (int64_t rv = rv0; rv < RV; ++rv)
+    tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP, to_pairs);
   const int64_t r0 = rv0 * 16;
   pv_rows_bf16(O, D, alpha + r0, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0);
 #else
@@ -212,6 +233,76 @@ inline void tile_scores_bf16(const Problem<kv_t>& P, const int64_t* base, int64_
   (void)ST;
 }
 
+// Whether attend_tile runs with fp16 products (tile_f16.h): fp32 queries over a bf16 cache where the caller allows
+// it (`--dtype auto`'s fp32, where the measured dispatch found it faster), on AVX512-FP16.
+template <typename kv_t>
+inline bool f16_tile(const Problem<kv_t>& P) {
+#if defined(__AVX512FP16__)
+  return std::is_same_v<kv_t, at::BFloat16> && !P.half_q && P.tile_f16;
+#else
+  (void)P;
+  return false;
+#endif
+}
+
+// ST[t][r] for the chunk's keys t < cn_padded and row vectors rv0 .. RV with fp16 products (f16_tile(P) only): the
+// keys packed as scaled fp16 rows (Kh), then qk_micro_f16 per kF16Pairs of head_dim pairs.
+template <typename kv_t>
+inline void tile_scores_f16(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t cn_padded, int64_t g,
+                            int64_t rv0, int64_t RV, int64_t Mp, const uint32_t* Q2, const float* qinv, uint16_t* Kh,
+                            float* ST) {
+#if defined(__AVX512FP16__)
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+    const int64_t D = P.D;
+    const uint16_t* krow[kTileChunk];
+    for (int64_t t = 0; t < cn; ++t) krow[t] = reinterpret_cast<const uint16_t*>(P.k + base[t] + g * P.RL);
+    const float ki = pack_keys_f16(krow, cn, cn_padded, D, Kh);
+    for (int64_t i0 = 0; i0 < D / 2; i0 += kF16Pairs) {
+      const int64_t np = std::min(kF16Pairs, D / 2 - i0);
+      for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
+        const uint16_t* k = Kh + t0 * D;
+        int64_t rv = rv0;
+        for (; rv + 4 <= RV; rv += 4)
+          qk_micro_f16<kTB, 4>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16);
+        switch (RV - rv) {
+          case 3: qk_micro_f16<kTB, 3>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
+          case 2: qk_micro_f16<kTB, 2>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
+          case 1: qk_micro_f16<kTB, 1>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
+          default: break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  (void)P, (void)base, (void)cn, (void)cn_padded, (void)g, (void)rv0, (void)RV, (void)Mp, (void)Q2, (void)qinv;
+  (void)Kh, (void)ST;
+}
+
+// The chunk's softmax for the row vectors rv0 .. RV (its probabilities as fp16 pairs in PP), then O[r] = O[r] * alpha[r]
+// + sum_t P[r][t] V[t] for their rows over the chunk's values as scaled fp16 pairs (VP, vinv), read from the cache
+// here (f16_tile(P) only).
+template <typename kv_t>
+inline void tile_probs_values_f16(const Problem<kv_t>& P, const int64_t* base, int64_t g, float* O, const float* ST,
+                                  int64_t Mp, int64_t rv0, int64_t RV, int64_t cn, int64_t c0, const int32_t* pos,
+                                  bool masked, float* m, float* l, float* alpha, uint32_t* PP, uint32_t* VP) {
+#if defined(__AVX512FP16__)
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+    const uint16_t* vrow[kTileChunk];
+    for (int64_t t = 0; t < cn; ++t) vrow[t] = reinterpret_cast<const uint16_t*>(P.v + base[t] + g * P.RL);
+    const float vinv = pack_value_pairs_f16(vrow, cn, P.D, VP);
+    const auto to_pairs = [](__m512 a, __m512 b) { return _mm512_inserti64x4(_mm512_castsi256_si512(to_f16(a)), to_f16(b), 1); };
+    for (int64_t rv = rv0; rv < RV; ++rv)
+      tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP, to_pairs);
+    const int64_t r0 = rv0 * 16;
+    pv_rows_f16(O + r0 * P.D, P.D, alpha + r0, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0, vinv);
+    return;
+  }
+#endif
+  (void)P, (void)base, (void)g, (void)O, (void)ST, (void)Mp, (void)rv0, (void)RV, (void)cn, (void)c0, (void)pos;
+  (void)masked, (void)m, (void)l, (void)alpha, (void)PP, (void)VP;
+}
+
 // Prompt chunks: a tile of queries [q_begin, q_end) x the G query heads of one kv head.
 template <typename kv_t>
 void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
@@ -239,11 +330,17 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   const float** vrow = sc.vrow.data();
 
   // row r = ii * G + j  <->  query tok0 + ii, head g * G + j. Padding rows: zero queries, never masked.
-  const bool pairs = bf16_tile(P);
+  const bool pairs = bf16_tile(P), f16 = f16_tile(P);
+  float* qinv = Qt + D / 2 * Mp;            // f16: the query rows' scales, after their pairs
   if (pairs) {
 #if defined(__AVX512BF16__)
     pack_query_pairs(static_cast<const uint16_t*>(P.q), P.q_stride0, P.q_stride1, tok0, g * G, R, G, D, Mp,
                      reinterpret_cast<uint32_t*>(Qt));
+#endif
+  } else if (f16) {
+#if defined(__AVX512FP16__)
+    pack_query_pairs_f16(static_cast<const float*>(P.q), P.q_stride0, P.q_stride1, tok0, g * G, R, G, D, Mp,
+                         P.scale_log2, reinterpret_cast<uint32_t*>(Qt), qinv);
 #endif
   } else {
     std::fill(Qt, Qt + D * Mp, 0.0f);
@@ -268,6 +365,9 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
     if (pairs) {
       tile_scores_bf16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), zero, ST);
       tile_value_pairs(P, base, cn, g, VP);
+    } else if (f16) {
+      tile_scores_f16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), qinv,
+                      reinterpret_cast<uint16_t*>(kbuf), ST);
     } else {
       gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
       for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
@@ -289,6 +389,9 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
     const int64_t r0 = rv0 * 16;
     if (pairs) {
       tile_probs_values_bf16(O + r0 * D, D, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP, VP);
+    } else if (f16) {
+      tile_probs_values_f16(P, base, g, O, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP,
+                            reinterpret_cast<uint32_t*>(vbuf));
     } else {
       for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha);
       pv_rows(O + r0 * D, D, alpha + r0, ST + r0, Mp, 1, vrow, cn, Mp - r0);

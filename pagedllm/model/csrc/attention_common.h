@@ -162,6 +162,7 @@ struct Problem {
   float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
   Splits split;
   bool tile_pairs = true;  // attend_tile may run on vdpbf16ps (bf16_tile); false: its fp32 kernel (measured choice)
+  bool tile_f16 = false;   // attend_tile may run fp32 queries with fp16 products (f16_tile; measured choice)
   int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token
 };
 

@@ -5,8 +5,9 @@
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
-                           int64_t tile_min_rows, int64_t few_tile_min_rows, bool tile_pairs);
+                           int64_t tile_min_rows, int64_t few_tile_min_rows, bool tile_pairs, bool tile_f16);
 bool tile_pairs_supported();
+bool tile_f16_supported();
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual, const at::Tensor& weight,
@@ -43,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("paged_attention", &paged_attention, "Attention of a flat query batch over a paged KV cache", nogil);
   m.def("tile_pairs_supported", &tile_pairs_supported, "Whether this build's tiled attention has a vdpbf16ps form");
+  m.def("tile_f16_supported", &tile_f16_supported, "Whether this build's tiled attention has an fp16-products form "
+        "for fp32 queries over a bf16 cache");
   m.def("write_kv", &write_kv, "Store keys/values at their cache slots (int8 cache: records, per 16 values an fp16 "
         "scale and min)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (if given), then RMSNorm(residual) * weight", nogil);

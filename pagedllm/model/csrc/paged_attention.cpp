@@ -35,6 +35,7 @@
 
 #include "exp2_poly.h"
 #include "tile_bf16.h"
+#include "tile_f16.h"
 
 namespace {
 
@@ -75,14 +76,24 @@ bool tile_pairs_supported() {
 #endif
 }
 
+bool tile_f16_supported() {
+#if defined(__AVX512FP16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // See pagedllm/attention.py:paged_attention for the contract. tile_min_rows: sequences with at least this many
 // query rows (queries x query heads per kv head) use the tiled (prefill) kernel, the others the row kernel; in a
 // step of fewer than 4 sequences per thread (where the row kernel splits contexts over threads) few_tile_min_rows.
-// tile_pairs: bf16 queries over a bf16 cache may take the tiled kernel's vdpbf16ps form (bf16_tile).
+// tile_pairs: bf16 queries over a bf16 cache may take the tiled kernel's vdpbf16ps form (bf16_tile); tile_f16: fp32
+// queries over a bf16 cache its fp16 products (f16_tile).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
-                              int64_t tile_min_rows, int64_t few_tile_min_rows, bool tile_pairs) {
+                              int64_t tile_min_rows, int64_t few_tile_min_rows, bool tile_pairs,
+                              bool tile_f16) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be 3-d, caches 4-d");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
@@ -246,17 +257,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (k_cache.scalar_type() == at::kFloat) {
     const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
-                           H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
+                           H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
     run(P, items, scratch_floats, Mp);
   } else if (int8_cache) {
     const Problem<uint8_t> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                              k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bt, ctx, qsl,
-                             H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
+                             H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
     run(P, items, scratch_floats, Mp);
   } else {
     const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
-                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs};
+                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
     run(P, items, scratch_floats, Mp);
   }
   return out;

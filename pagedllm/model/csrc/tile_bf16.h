@@ -9,6 +9,11 @@
 #include <cstdint>
 #include <cstring>
 
+// 16-bit words 0-15 and 16-31 of a vector interleaved (0, 16, 1, 17, ...): two vectors' 16-bit values as pairs (also
+// tile_f16.h's).
+inline constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 #if defined(__AVX512BF16__)
 // ST[t][rows] = mul * sum_d K[t][d] * Q[rows][d] for KT keys and RW vectors of 16 rows. Q2 holds the query rows as
 // pairs of bf16 values: Q2[i * Mp + row] = values 2i and 2i + 1 of the row; krow[t]: key t's D bf16 values.
@@ -44,10 +49,6 @@ inline void pack_query_pairs(const uint16_t* q, int64_t qs0, int64_t qs1, int64_
       for (int64_t i = 0; i < D / 2; ++i) std::memcpy(Q2 + i * Mp + ii * G + j, src + 2 * i, sizeof(uint32_t));
     }
 }
-
-// 16-bit words 0-15 and 16-31 of a vector interleaved (0, 16, 1, 17, ...): two vectors' bf16 values as pairs.
-inline constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // Value pairs of a chunk for pv_micro_bf16: VP[i * D + d] = (V[2i][d], V[2i + 1][d]) as bf16 pairs, from the V rows
 // vrow[t] (bf16, D % 16 == 0) of the chunk's cn keys; a missing last key of a pair counts as zero.
