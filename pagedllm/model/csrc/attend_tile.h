@@ -41,14 +41,14 @@ inline void qk_micro_avx2(const float* const* krow, const float* Qt, int64_t Mp,
 }
 #endif
 
-// The running max `start` of 16 rows folded with `fold(t, x)` over the chunk's keys t < cn, in four chains: one chain
-// waited on each vmaxps (4 cycles a key; 7% of the fp16 tile's time at 1,900 tokens).
 template <typename V>
 inline V max4(V a, V b, V c, V d) {
   const auto mx = [](V x, V y) { return x > y ? x : y; };
   return mx(mx(a, b), mx(c, d));
 }
 
+// The running max `start` of 16 rows folded with `fold(t, x)` over the chunk's keys t < cn, in four chains: one chain
+// waited on each vmaxps (4 cycles a key; 7% of the fp16 tile's time at 1,900 tokens).
 template <typename V, typename Fold>
 inline V chunk_max(V start, int64_t cn, Fold&& fold) {
   V a = start, b = start, c = start, d = start;
@@ -259,18 +259,9 @@ inline void tile_scores_f16(const Problem<kv_t>& P, const int64_t* base, int64_t
     const float ki = pack_keys_f16(krow, cn, cn_padded, D, Kh);
     for (int64_t i0 = 0; i0 < D / 2; i0 += kF16Pairs) {
       const int64_t np = std::min(kF16Pairs, D / 2 - i0);
-      for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
-        const uint16_t* k = Kh + t0 * D;
-        int64_t rv = rv0;
-        for (; rv + 4 <= RV; rv += 4)
-          qk_micro_f16<kTB, 4>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16);
-        switch (RV - rv) {
-          case 3: qk_micro_f16<kTB, 3>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
-          case 2: qk_micro_f16<kTB, 2>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
-          case 1: qk_micro_f16<kTB, 1>(k, D, Q2 + rv * 16, Mp, i0, np, ki, qinv + rv * 16, i0 > 0, ST + t0 * Mp + rv * 16); break;
-          default: break;
-        }
-      }
+      for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB)
+        qk_rows_f16<kTB>(Kh + t0 * D, D, Q2 + rv0 * 16, Mp, i0, np, ki, qinv + rv0 * 16, RV - rv0,
+                         ST + t0 * Mp + rv0 * 16);
     }
     return;
   }
@@ -279,8 +270,8 @@ inline void tile_scores_f16(const Problem<kv_t>& P, const int64_t* base, int64_t
   (void)Kh, (void)ST;
 }
 
-// The chunk's softmax for the row vectors rv0 .. RV (its probabilities as fp16 pairs in PP), then O[r] = O[r] * alpha[r]
-// + sum_t P[r][t] V[t] for their rows over the chunk's values as scaled fp16 pairs (VP, vinv), read from the cache
+// The chunk's softmax for the row vectors rv0 .. RV (its probabilities as fp16 pairs in PP), then O[r] = O[r] *
+// alpha[r] + sum_t P[r][t] V[t] for their rows over the chunk's values as scaled fp16 pairs (VP), read from the cache
 // here (f16_tile(P) only).
 template <typename kv_t>
 inline void tile_probs_values_f16(const Problem<kv_t>& P, const int64_t* base, int64_t g, float* O, const float* ST,
@@ -291,7 +282,9 @@ inline void tile_probs_values_f16(const Problem<kv_t>& P, const int64_t* base, i
     const uint16_t* vrow[kTileChunk];
     for (int64_t t = 0; t < cn; ++t) vrow[t] = reinterpret_cast<const uint16_t*>(P.v + base[t] + g * P.RL);
     const float vinv = pack_value_pairs_f16(vrow, cn, P.D, VP);
-    const auto to_pairs = [](__m512 a, __m512 b) { return _mm512_inserti64x4(_mm512_castsi256_si512(to_f16(a)), to_f16(b), 1); };
+    const auto to_pairs = [](__m512 a, __m512 b) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(to_f16(a)), to_f16(b), 1);
+    };
     for (int64_t rv = rv0; rv < RV; ++rv)
       tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP, to_pairs);
     const int64_t r0 = rv0 * 16;
@@ -331,7 +324,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
 
   // row r = ii * G + j  <->  query tok0 + ii, head g * G + j. Padding rows: zero queries, never masked.
   const bool pairs = bf16_tile(P), f16 = f16_tile(P);
-  float* qinv = Qt + D / 2 * Mp;            // f16: the query rows' scales, after their pairs
+  float* qinv = Qt + D / 2 * Mp;  // f16: the query rows' scales, after their pairs
   if (pairs) {
 #if defined(__AVX512BF16__)
     pack_query_pairs(static_cast<const uint16_t*>(P.q), P.q_stride0, P.q_stride1, tok0, g * G, R, G, D, Mp,

@@ -1,8 +1,8 @@
 // attend_tile over a bf16 cache for fp32 queries with fp16 products (AVX512-FP16): vfmadd231ph does 32 multiply-adds
 // where vfmadd231ps does 16, at the same rate. Only where `--dtype auto` chose fp32 and the measured dispatch found it
 // faster (model/attention_dispatch.py); an explicit float32 keeps the fp32 tile. The scores pair head_dim values and
-// the values' sums pair keys (32-bit pair broadcasts, as tile_bf16.h); each lane sums at most kF16Pairs products in
-// fp16, then fp32 takes them. Query rows and each chunk's keys and values are scaled by powers of two (divided out
+// the values' sums pair keys (32-bit pair broadcasts, as tile_bf16.h); each lane sums at most 32 (scores) or 48
+// (values) products in fp16, then fp32 takes them; the softmax stays in fp32. Query rows and each chunk's keys and values are scaled by powers of two (divided out
 // exactly in fp32) so that no fp16 sum can overflow, whatever the fp32 inputs (fp16's 11-bit precision holds down to
 // 2^-19 of a chunk's largest value: one scale per chunk loses nothing a scale per row would keep). Included by
 // paged_attention.cpp.
@@ -11,7 +11,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -52,8 +51,8 @@ inline __m256i to_f16(__m512 x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEARES
 
 // The 16 fp32 sums of a vector's fp16 pairs (lanes 2i and 2i + 1).
 inline __m512 pair_sums(__m512h x) {
-  static const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  static const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const __m512i w = _mm512_castph_si512(x);
   const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(w)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
   return _mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
@@ -175,6 +174,22 @@ inline void qk_micro_f16(const uint16_t* Kh, int64_t D, const uint32_t* Q2, int6
       if (add) s = _mm512_add_ps(s, _mm512_loadu_ps(dst));
       _mm512_storeu_ps(dst, s);
     }
+  }
+}
+
+// qk_micro_f16 for KT keys over `rvs` vectors of 16 rows (any count, 4 at a time).
+template <int KT>
+inline void qk_rows_f16(const uint16_t* Kh, int64_t D, const uint32_t* Q2, int64_t Mp, int64_t i0, int64_t np,
+                        float kinv, const float* qinv, int64_t rvs, float* ST) {
+  const bool add = i0 > 0;
+  int64_t rv = 0;
+  for (; rv + 4 <= rvs; rv += 4)
+    qk_micro_f16<KT, 4>(Kh, D, Q2 + rv * 16, Mp, i0, np, kinv, qinv + rv * 16, add, ST + rv * 16);
+  switch (rvs - rv) {
+    case 3: qk_micro_f16<KT, 3>(Kh, D, Q2 + rv * 16, Mp, i0, np, kinv, qinv + rv * 16, add, ST + rv * 16); break;
+    case 2: qk_micro_f16<KT, 2>(Kh, D, Q2 + rv * 16, Mp, i0, np, kinv, qinv + rv * 16, add, ST + rv * 16); break;
+    case 1: qk_micro_f16<KT, 1>(Kh, D, Q2 + rv * 16, Mp, i0, np, kinv, qinv + rv * 16, add, ST + rv * 16); break;
+    default: break;
   }
 }
 
