@@ -231,6 +231,27 @@ def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatc
     assert timer.calls["qkv", "int8", 8] == 2 * (kernel_timing.SAMPLES + 1)
 
 
+def test_a_stalled_once_over_at_the_biggest_row_count_is_measured_again(ext, monkeypatch):
+    """Out of budget, the biggest row count has its once-over only (a warm-up and ANCHOR_SAMPLES): a stall there made
+    a slower kernel take every batch past the last crossover. Out of line with the nearest timed row count below, it
+    is timed again, past the budget, and the stall does not decide."""
+    monkeypatch.setattr(kernel_timing, "BUCKETS", (1, 8, 64, 512))
+    monkeypatch.setattr(kernel_timing.time, "perf_counter", lambda: 0.0)  # only the projection counts (600: see above)
+    stalls = {("qkv", "int8", 512): kernel_timing.ANCHOR_SAMPLES + 1}
+
+    class Stalled(FakeTimer):
+        def __call__(self, kind, path, rows, run):
+            t = super().__call__(kind, path, rows, run)
+            if stalls.get((kind, path, rows), 0) > 0:
+                stalls[kind, path, rows] -= 1
+                return t + 1000.0  # 1,513 s: in line with 1 row's 2 s (below 1.5 x 512 x), not with 8 or 64 rows'
+            return t
+    timer = Stalled({"int8": 1.0, "onednn": 2.0}, fixed={"int8": 1.0, "onednn": 1.0})
+    t = dispatch.measure(weights(ext, layers=1), torch.float32, timer, budget_s=600)
+    assert t.winners("qkv") == ["int8"] * 4
+    assert timer.calls["qkv", "int8", 512] == 2 * (kernel_timing.ANCHOR_SAMPLES + 1)
+
+
 def test_the_table_is_cached_per_machine_and_model_and_reused(ext, monkeypatch, tmp_path, caplog):
     timer = FakeTimer({"int8": 1.0, "onednn": 2.0})
     caplog.set_level(logging.INFO, logger="pagedllm")
