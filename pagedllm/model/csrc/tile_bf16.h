@@ -14,6 +14,22 @@
 inline constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
+#if defined(__AVX512BW__)
+// Pairs of consecutive rows' 16-bit values: VP[i * D + d] = (row 2i's value d, row 2i + 1's), from load16(t, d), 16 of
+// row t's values from d (D % 16 == 0), for cn rows; a missing last row of a pair counts as zero. The bf16 values'
+// pairs below and tile_f16.h's fp16 ones.
+template <typename Load16>
+inline void pack_row_pairs(int64_t cn, int64_t D, uint32_t* VP, Load16&& load16) {
+  const __m512i order = _mm512_loadu_si512(kPairOrder);
+  for (int64_t t = 0; t < cn; t += 2)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i b = t + 1 < cn ? load16(t + 1, d) : _mm256_setzero_si256();
+      const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(load16(t, d)), b, 1);
+      _mm512_storeu_si512(VP + t / 2 * D + d, _mm512_permutexvar_epi16(order, x));
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // ST[t][rows] = mul * sum_d K[t][d] * Q[rows][d] for KT keys and RW vectors of 16 rows. Q2 holds the query rows as
 // pairs of bf16 values: Q2[i * Mp + row] = values 2i and 2i + 1 of the row; krow[t]: key t's D bf16 values.
@@ -53,15 +69,9 @@ inline void pack_query_pairs(const uint16_t* q, int64_t qs0, int64_t qs1, int64_
 // Value pairs of a chunk for pv_micro_bf16: VP[i * D + d] = (V[2i][d], V[2i + 1][d]) as bf16 pairs, from the V rows
 // vrow[t] (bf16, D % 16 == 0) of the chunk's cn keys; a missing last key of a pair counts as zero.
 inline void pack_value_pairs(const uint16_t* const* vrow, int64_t cn, int64_t D, uint32_t* VP) {
-  const __m512i order = _mm512_loadu_si512(kPairOrder);
-  for (int64_t t = 0; t < cn; t += 2)
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + d));
-      const __m256i b = t + 1 < cn ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t + 1] + d))
-                                   : _mm256_setzero_si256();
-      const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(VP + t / 2 * D + d, _mm512_permutexvar_epi16(order, x));
-    }
+  pack_row_pairs(cn, D, VP, [&](int64_t t, int64_t d) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + d));
+  });
 }
 
 // O[r][d0 .. d0 + 16 DV) = O * alpha[r] + sum_t P[r][t] V[t][..] for RB rows r (row stride D), over np key pairs:
