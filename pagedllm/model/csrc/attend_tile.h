@@ -233,67 +233,67 @@ inline void tile_scores_bf16(const Problem<kv_t>& P, const int64_t* base, int64_
   (void)ST;
 }
 
-// Whether attend_tile runs with fp16 products (tile_f16.h): fp32 queries over a bf16 cache where the caller allows
-// it (`--dtype auto`'s fp32, where the measured dispatch found it faster), on AVX512-FP16.
-template <typename kv_t>
-inline bool f16_tile(const Problem<kv_t>& P) {
-#if defined(__AVX512FP16__)
-  return std::is_same_v<kv_t, at::BFloat16> && !P.half_q && P.tile_f16;
-#else
-  (void)P;
-  return false;
-#endif
-}
-
 // ST[t][r] for the chunk's keys t < cn_padded and row vectors rv0 .. RV with fp16 products (f16_tile(P) only): the
-// keys packed as scaled fp16 rows (Kh), then qk_micro_f16 per kF16Pairs of head_dim pairs.
+// keys packed as scaled fp16 rows (`shared`'s, else packed here into Kh), then qk_micro_f16 per kF16Pairs of head_dim
+// pairs.
 template <typename kv_t>
 inline void tile_scores_f16(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t cn_padded, int64_t g,
-                            int64_t rv0, int64_t RV, int64_t Mp, const uint32_t* Q2, const float* qinv, uint16_t* Kh,
-                            float* ST) {
+                            int64_t rv0, int64_t RV, int64_t Mp, const uint32_t* Q2, const float* qinv,
+                            const F16Chunk& shared, uint16_t* Kh, float* ST) {
 #if defined(__AVX512FP16__)
   if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
     const int64_t D = P.D;
-    const uint16_t* krow[kTileChunk];
-    for (int64_t t = 0; t < cn; ++t) krow[t] = reinterpret_cast<const uint16_t*>(P.k + base[t] + g * P.RL);
-    const float ki = pack_keys_f16(krow, cn, cn_padded, D, Kh);
+    const uint16_t* keys = shared.keys;
+    float ki = shared.kinv;
+    if (keys == nullptr) {
+      const uint16_t* krow[kTileChunk];
+      for (int64_t t = 0; t < cn; ++t) krow[t] = reinterpret_cast<const uint16_t*>(P.k + base[t] + g * P.RL);
+      ki = pack_keys_f16(krow, cn, cn_padded, D, Kh);
+      keys = Kh;
+    }
     for (int64_t i0 = 0; i0 < D / 2; i0 += kF16Pairs) {
       const int64_t np = std::min(kF16Pairs, D / 2 - i0);
       for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB)
-        qk_rows_f16<kTB>(Kh + t0 * D, D, Q2 + rv0 * 16, Mp, i0, np, ki, qinv + rv0 * 16, RV - rv0,
+        qk_rows_f16<kTB>(keys + t0 * D, D, Q2 + rv0 * 16, Mp, i0, np, ki, qinv + rv0 * 16, RV - rv0,
                          ST + t0 * Mp + rv0 * 16);
     }
     return;
   }
 #endif
   (void)P, (void)base, (void)cn, (void)cn_padded, (void)g, (void)rv0, (void)RV, (void)Mp, (void)Q2, (void)qinv;
-  (void)Kh, (void)ST;
+  (void)shared, (void)Kh, (void)ST;
 }
 
 // The chunk's softmax for the row vectors rv0 .. RV (its probabilities as fp16 pairs in PP), then O[r] = O[r] *
-// alpha[r] + sum_t P[r][t] V[t] for their rows over the chunk's values as scaled fp16 pairs (VP), read from the cache
-// here (f16_tile(P) only).
+// alpha[r] + sum_t P[r][t] V[t] for their rows over the chunk's values as scaled fp16 pairs (`shared`'s, else read
+// from the cache into VP here) (f16_tile(P) only).
 template <typename kv_t>
-inline void tile_probs_values_f16(const Problem<kv_t>& P, const int64_t* base, int64_t g, float* O, const float* ST,
-                                  int64_t Mp, int64_t rv0, int64_t RV, int64_t cn, int64_t c0, const int32_t* pos,
-                                  bool masked, float* m, float* l, float* alpha, uint32_t* PP, uint32_t* VP) {
+inline void tile_probs_values_f16(const Problem<kv_t>& P, const int64_t* base, int64_t g, const F16Chunk& shared,
+                                  float* O, const float* ST, int64_t Mp, int64_t rv0, int64_t RV, int64_t cn,
+                                  int64_t c0, const int32_t* pos, bool masked, float* m, float* l, float* alpha,
+                                  uint32_t* PP, uint32_t* VP) {
 #if defined(__AVX512FP16__)
   if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
-    const uint16_t* vrow[kTileChunk];
-    for (int64_t t = 0; t < cn; ++t) vrow[t] = reinterpret_cast<const uint16_t*>(P.v + base[t] + g * P.RL);
-    const float vinv = pack_value_pairs_f16(vrow, cn, P.D, VP);
+    const uint32_t* values = shared.values;
+    float vinv = shared.vinv;
+    if (values == nullptr) {
+      const uint16_t* vrow[kTileChunk];
+      for (int64_t t = 0; t < cn; ++t) vrow[t] = reinterpret_cast<const uint16_t*>(P.v + base[t] + g * P.RL);
+      vinv = pack_value_pairs_f16(vrow, cn, P.D, VP);
+      values = VP;
+    }
     const auto to_pairs = [](__m512 a, __m512 b) {
       return _mm512_inserti64x4(_mm512_castsi256_si512(to_f16(a)), to_f16(b), 1);
     };
     for (int64_t rv = rv0; rv < RV; ++rv)
       tile_softmax_pairs(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha, PP, to_pairs);
     const int64_t r0 = rv0 * 16;
-    pv_rows_f16(O + r0 * P.D, P.D, alpha + r0, PP + r0, Mp, VP, (cn + 1) / 2, Mp - r0, vinv);
+    pv_rows_f16(O + r0 * P.D, P.D, alpha + r0, PP + r0, Mp, values, (cn + 1) / 2, Mp - r0, vinv);
     return;
   }
 #endif
-  (void)P, (void)base, (void)g, (void)O, (void)ST, (void)Mp, (void)rv0, (void)RV, (void)cn, (void)c0, (void)pos;
-  (void)masked, (void)m, (void)l, (void)alpha, (void)PP, (void)VP;
+  (void)P, (void)base, (void)g, (void)shared, (void)O, (void)ST, (void)Mp, (void)rv0, (void)RV, (void)cn, (void)c0;
+  (void)pos, (void)masked, (void)m, (void)l, (void)alpha, (void)PP, (void)VP;
 }
 
 // Prompt chunks: a tile of queries [q_begin, q_end) x the G query heads of one kv head.
@@ -348,6 +348,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   std::fill(l, l + Mp, 0.0f);
   std::fill(zero, zero + D, 0.0f);
 
+  F16Chunk shared;
   for (int64_t c0 = 0; c0 <= last_pos; c0 += kTileChunk) {
     const int64_t cn = std::min(kTileChunk, last_pos + 1 - c0);
     chunk_offsets(P, s, c0, cn, base);
@@ -359,7 +360,8 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       tile_scores_bf16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), zero, ST);
       tile_value_pairs(P, base, cn, g, VP);
     } else if (f16) {
-      tile_scores_f16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), qinv,
+      shared = shared_f16_chunk(P, s, g, c0, cn);
+      tile_scores_f16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), qinv, shared,
                       reinterpret_cast<uint16_t*>(kbuf), ST);
     } else {
       gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
@@ -383,7 +385,7 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
     if (pairs) {
       tile_probs_values_bf16(O + r0 * D, D, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP, VP);
     } else if (f16) {
-      tile_probs_values_f16(P, base, g, O, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP,
+      tile_probs_values_f16(P, base, g, shared, O, ST, Mp, rv0, RV, cn, c0, pos, masked, m, l, alpha, PP,
                             reinterpret_cast<uint32_t*>(vbuf));
     } else {
       for (int64_t rv = rv0; rv < RV; ++rv) tile_softmax(ST, Mp, rv * 16, cn, c0, pos, masked, m, l, alpha);

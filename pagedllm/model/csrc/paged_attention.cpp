@@ -43,6 +43,7 @@ namespace {
 #include "rows_bf16.h"
 #include "rows_steps.h"
 #include "attend_rows.h"
+#include "tile_f16_shared.h"
 #include "attend_tile.h"
 
 template <typename kv_t>
@@ -132,6 +133,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t G = H / KVH;
   TORCH_CHECK(S == 0 || (qsl[0] >= 0 && qsl[S] <= T), "query_start_loc out of range");
   std::vector<WorkItem> items;
+  std::vector<int64_t> seq_tiles(S, 0);  // query tiles per sequence (0: the row kernel)
   std::vector<int32_t> row_items;  // indices of decode-like items, split over kv heads when work is scarce
   size_t rows_max_R = 0, tile_max_M = 0;
   const int64_t nthreads = at::get_num_threads();
@@ -150,6 +152,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     if (n * G >= min_tile_rows) {
       const int64_t most = std::max<int64_t>(1, kTileRows / G), tiles = (n + most - 1) / most;
       const int64_t qt = (n + tiles - 1) / tiles;  // tiles of equal size: no last tile of a few padded rows
+      seq_tiles[s] = tiles;
       for (int64_t i0 = 0; i0 < n; i0 += qt) {
         const int64_t i1 = std::min(n, i0 + qt);
         tile_max_M = std::max<size_t>(tile_max_M, (i1 - i0) * G);
@@ -265,9 +268,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                              H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
     run(P, items, scratch_floats, Mp);
   } else {
-    const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
-                                  k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
-                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
+    Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
+                            k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
+                            qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
+    thread_local SharedF16Store shared;
+    P.shared_f16 = pack_shared_f16(P, seq_tiles, shared);
     run(P, items, scratch_floats, Mp);
   }
   return out;
