@@ -78,18 +78,21 @@ SharedF16 pack_shared_f16(const Problem<kv_t>& P, const std::vector<int64_t>& ti
   st.count.assign(S, 0);
   st.seq.clear();
   for (int64_t s = 0; s < S; ++s) {
-    if (tiles[s] < 2) continue;
-    const int64_t full = std::min<int64_t>(P.context_lens[s] / kTileChunk, (budget - st.seq.size()) / P.KVH);
+    const int64_t used = static_cast<int64_t>(st.seq.size()), room = (budget - used) / P.KVH;
+    const int64_t full = tiles[s] < 2 ? 0 : std::min<int64_t>(P.context_lens[s] / kTileChunk, room);
     if (full <= 0) continue;
-    st.first[s] = static_cast<int64_t>(st.seq.size());
+    st.first[s] = used;
     st.count[s] = full;
-    st.seq.resize(st.seq.size() + full * P.KVH, s);
+    st.seq.resize(used + full * P.KVH, s);
   }
   const int64_t slots = static_cast<int64_t>(st.seq.size());
   if (slots == 0) return {};
-  if (st.keys.size() < static_cast<size_t>(slots * kTileChunk * D)) st.keys.resize(slots * kTileChunk * D);
-  if (st.values.size() < static_cast<size_t>(slots * kTileChunk / 2 * D)) st.values.resize(slots * kTileChunk / 2 * D);
-  if (st.inv.size() < static_cast<size_t>(2 * slots)) st.inv.resize(2 * slots);
+  const auto grow = [](auto& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  };
+  grow(st.keys, slots * kTileChunk * D);
+  grow(st.values, slots * kTileChunk / 2 * D);
+  grow(st.inv, 2 * slots);
   at::parallel_for(0, slots, 1, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t s = st.seq[j], k = j - st.first[s];
