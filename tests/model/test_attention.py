@@ -252,6 +252,37 @@ def test_int8_cache_cpp_equals_reference_and_dense(cpp: None, dtype: torch.dtype
     assert_close(out, dense_attention(b))
 
 
+SHARED_SPECS = [(420, 420), (300, 210), (97, 42)]  # 21 queries x 3 heads a tile: 20, 10 and 2 tiles in a whole call
+
+
+def assert_each_tile_equals_it_alone(b: Batch, route: attention.AttentionRoute) -> None:
+    """Every tile of 21 queries of a whole call over SHARED_SPECS (its full key chunks prepared once for all its
+    tiles: csrc/tile_shared.h) gets the bits it gets as its call's only tile (preparing each chunk itself)."""
+    def attend(x: Batch) -> torch.Tensor:
+        return attention.cpp_attention(x.q, x.k_cache, x.v_cache, x.block_tables, x.context_lens, x.query_start_loc,
+                                       x.q.shape[-1] ** -0.5, x.max_query_len, route)
+    whole, starts = attend(b), b.query_start_loc.tolist()
+    for s, (ctx, n) in enumerate(SHARED_SPECS):
+        for i0 in range(0, n, 21):
+            rows = slice(starts[s] + i0, starts[s] + i0 + 21)
+            one = Batch(b.q[rows], b.k_cache, b.v_cache, b.block_tables[s:s + 1],
+                        torch.tensor([ctx - n + i0 + 21], dtype=torch.int32), torch.tensor([0, 21], dtype=torch.int32),
+                        21, b.keys, b.values)
+            assert torch.equal(attend(one), whole[rows]), (s, i0)
+
+
+@pytest.mark.parametrize(("queries", "kv_int8"), [(torch.float32, False), (torch.bfloat16, False),
+                                                  (torch.float32, True)],
+                         ids=["fp32-queries-bf16-cache", "bf16-queries", "int8-cache"])
+def test_the_fp32_tiles_shared_chunks_give_each_tile_its_own_bits(cpp: None, queries: torch.dtype,
+                                                                   kv_int8: bool) -> None:
+    """The fp32 tile over a bf16 or int8 cache converts each chunk to fp32 rows: once per call for the chunks
+    several tiles share. Several sequences, blocks of 5 keys (chunks across blocks), prompts after a prefix."""
+    b = make_batch(SHARED_SPECS, 9, 3, 64, 5, torch.float32 if kv_int8 else torch.bfloat16, kv_int8=kv_int8)
+    b.q = b.q.to(queries)
+    assert_each_tile_equals_it_alone(b, attention.AttentionRoute(1, 1, False, False))
+
+
 def test_fp32_kernel_matches_dense_attention_tightly(cpp: None) -> None:
     b = make_batch(MIXED + MANY_DECODES, 9, 3, 64, 16)
     torch.testing.assert_close(b.run("cpp"), dense_attention(b), rtol=1e-5, atol=2e-6)

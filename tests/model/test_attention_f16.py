@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import Batch, make_batch
+from test_attention import SHARED_SPECS, Batch, assert_each_tile_equals_it_alone, make_batch
 
 from pagedllm.model import kernels
 from pagedllm.model.attention import AttentionRoute, cpp_attention
@@ -106,19 +106,9 @@ def test_a_query_gets_the_same_bits_whatever_the_step_it_is_attended_in():
 
 
 def test_chunks_packed_once_per_call_give_each_tile_its_own_bits():
-    """The full key chunks a call's tiles share are packed once, before the tiles run (tile_f16_shared.h): each tile
-    gets the bits it gets packing them itself, as it does when it is its call's only tile. Several sequences (the
-    shared chunks' slots per sequence and kv head), blocks of 5 keys (chunks across blocks), prompts after a prefix."""
-    specs = [(420, 420), (300, 210), (97, 42)]  # 21 queries x 3 heads a tile: 20, 10 and 2 tiles in the whole call
-    b = fp32_queries(specs, (9, 3), 64, block_size=5)
-    whole, starts = attend(b, F16_TILE), b.query_start_loc.tolist()
-    for s, (ctx, n) in enumerate(specs):
-        for i0 in range(0, n, 21):
-            rows = slice(starts[s] + i0, starts[s] + i0 + 21)
-            one = Batch(b.q[rows], b.k_cache, b.v_cache, b.block_tables[s:s + 1],
-                        torch.tensor([ctx - n + i0 + 21], dtype=torch.int32), torch.tensor([0, 21], dtype=torch.int32),
-                        21, b.keys, b.values)
-            assert torch.equal(attend(one, F16_TILE), whole[rows]), (s, i0)
+    """The full key chunks a call's fp16 tiles share are packed once, before the tiles run (tile_shared.h): each tile
+    gets the bits it gets packing them itself."""
+    assert_each_tile_equals_it_alone(fp32_queries(SHARED_SPECS, (9, 3), 64, block_size=5), F16_TILE)
 
 
 def test_only_fp32_queries_over_a_bf16_cache_take_it():

@@ -159,19 +159,6 @@ inline void tile_softmax_pairs(const float* ST, int64_t Mp, int64_t r0, int64_t 
 }
 #endif
 
-// Whether attend_tile runs on vdpbf16ps (tile_bf16.h): bf16 queries over a bf16 cache, head_dim a multiple of 16,
-// on AVX512-BF16. Its scores are exact sums of the bf16 products; the probabilities are rounded to bf16 for the
-// values' sums, as flash attention does on GPUs (fp32 queries keep the fp32 kernel, and fp32's exact output).
-template <typename kv_t>
-inline bool bf16_tile(const Problem<kv_t>& P) {
-#if defined(__AVX512BF16__)
-  return std::is_same_v<kv_t, at::BFloat16> && P.half_q && P.D % 16 == 0 && P.tile_pairs;
-#else
-  (void)P;
-  return false;
-#endif
-}
-
 // VP: the value pairs (pack_value_pairs) of kv head g's V rows of the chunk's keys (bf16_tile(P) only).
 template <typename kv_t>
 inline void tile_value_pairs(const Problem<kv_t>& P, const int64_t* base, int64_t cn, int64_t g, uint32_t* VP) {
@@ -364,7 +351,11 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       tile_scores_f16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), qinv, shared,
                       reinterpret_cast<uint16_t*>(kbuf), ST);
     } else {
-      gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
+      if (const float* rows = shared_f32_rows(P, s, g, c0, cn)) {
+        for (int64_t t = 0; t < cn; ++t) krow[t] = rows + t * D, vrow[t] = rows + (kTileChunk + t) * D;
+      } else {
+        gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);
+      }
       for (int64_t t = cn; t < cn_padded; ++t) krow[t] = zero;
       for (int64_t t0 = 0; t0 < cn_padded; t0 += kTB) {
         int64_t rv = rv0;

@@ -146,15 +146,16 @@ struct Splits {
   SplitGroup* groups = nullptr;
 };
 
-// The fp16 tiles' chunks packed once per call (f16_tile: pack_shared_f16): full chunks (kTileChunk keys) of the
-// sequences that several tiles read, chunk c of sequence s's kv head g in slot first[s] + g * count[s] + c, for c <
-// count[s]; a tile packs the others itself, the same bits.
-struct SharedF16 {
+// A call's chunks prepared once for all its tiles (tile_shared.h): full chunks (kTileChunk keys) of the sequences that
+// several tiles read, chunk c of sequence s's kv head g in slot first[s] + g * count[s] + c, for c < count[s]; a tile
+// prepares the others itself, the same bits. One form per call: the fp16 tile's, or the fp32 tile's rows.
+struct SharedChunks {
   const uint16_t* keys = nullptr;    // [slot][kTileChunk][D]: pack_keys_f16
   const uint32_t* values = nullptr;  // [slot][kTileChunk / 2][D]: pack_value_pairs_f16
   const float* inv = nullptr;        // [slot][2]: the keys' and the values' 2^-e
+  const float* rows = nullptr;       // [slot][2][kTileChunk][D]: the fp32 tile's keys, then values
   const int64_t* first = nullptr;    // [S]
-  const int64_t* count = nullptr;    // [S]; nullptr: nothing packed
+  const int64_t* count = nullptr;    // [S]; nullptr: nothing shared
 };
 
 // One call's inputs, shared read-only by all tasks (but for the split partitions' slots and counters).
@@ -174,7 +175,7 @@ struct Problem {
   Splits split;
   bool tile_pairs = true;  // attend_tile may run on vdpbf16ps (bf16_tile); false: its fp32 kernel (measured choice)
   bool tile_f16 = false;   // attend_tile may run fp32 queries with fp16 products (f16_tile; measured choice)
-  SharedF16 shared_f16 = {};
+  SharedChunks shared = {};
   int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token
 };
 

@@ -43,11 +43,15 @@ namespace {
 #include "rows_bf16.h"
 #include "rows_steps.h"
 #include "attend_rows.h"
-#include "tile_f16_shared.h"
+#include "tile_shared.h"
 #include "attend_tile.h"
 
+// The items over the threads, after the chunks their tiles share (share_chunks; `tiles`: query tiles per sequence).
 template <typename kv_t>
-void run(const Problem<kv_t>& P, const std::vector<WorkItem>& items, size_t scratch_floats, size_t tile_rows) {
+void run(Problem<kv_t> P, const std::vector<WorkItem>& items, const std::vector<int64_t>& tiles,
+         size_t scratch_floats, size_t tile_rows) {
+  thread_local SharedStore store;
+  P.shared = share_chunks(P, tiles, store);
   std::atomic<size_t> next{0};
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
@@ -261,19 +265,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const Problem<float> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, ctx, qsl,
                            H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
-    run(P, items, scratch_floats, Mp);
+    run(P, items, seq_tiles, scratch_floats, Mp);
   } else if (int8_cache) {
     const Problem<uint8_t> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
                              k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bt, ctx, qsl,
                              H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
-    run(P, items, scratch_floats, Mp);
+    run(P, items, seq_tiles, scratch_floats, Mp);
   } else {
-    Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
-                            k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
-                            qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
-    thread_local SharedF16Store shared;
-    P.shared_f16 = pack_shared_f16(P, seq_tiles, shared);
-    run(P, items, scratch_floats, Mp);
+    const Problem<at::BFloat16> P{q.data_ptr(), half_q, q.stride(0), q.stride(1), out.data_ptr(),
+                                  k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), bt, ctx,
+                                  qsl, H, KVH, G, D, BS, MB, scale_log2, split, tile_pairs, tile_f16};
+    run(P, items, seq_tiles, scratch_floats, Mp);
   }
   return out;
 }

@@ -5,7 +5,7 @@
 // (values) products in fp16, then fp32 takes them; the softmax stays in fp32. Query rows and each chunk's keys and
 // values are scaled by powers of two (divided out exactly in fp32) so that no fp16 sum can overflow, whatever the fp32
 // inputs (fp16's 11-bit precision holds down to 2^-19 of a chunk's largest value: one scale per chunk loses nothing a
-// scale per row would keep). A call's full chunks are packed once for all its tiles (tile_f16_shared.h). Included by
+// scale per row would keep). A call's full chunks are packed once for all its tiles (tile_shared.h). Included by
 // paged_attention.cpp.
 #pragma once
 
