@@ -1,6 +1,6 @@
 // A call's shared key chunks (SharedChunks): a prompt's tiles each read every chunk of keys before their rows, and
 // each converted or packed each chunk itself (the fp32 tile: bf16 or int8 rows to fp32, 12% of its time at 1,900
-// tokens; the fp16 tile: the largest |value|, the scaling and the fp16 rows, 20%). The full chunks of sequences that
+// tokens; the fp16 tile: the largest |value|, the scaling and the fp16 rows, 13%). The full chunks of sequences that
 // several tiles read are prepared once per call, before the tiles run, the same bits a tile gets preparing them itself.
 // Included by paged_attention.cpp inside its anonymous namespace, after attention_common.h and before attend_tile.h.
 #pragma once
