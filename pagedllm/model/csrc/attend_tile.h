@@ -338,7 +338,8 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
   F16Chunk shared;
   for (int64_t c0 = 0; c0 <= last_pos; c0 += kTileChunk) {
     const int64_t cn = std::min(kTileChunk, last_pos + 1 - c0);
-    chunk_offsets(P, s, c0, cn, base);
+    const int64_t slot = shared_slot(P, s, g, c0, cn);  // prepared once for the call: no cache offsets read here
+    if (slot < 0) chunk_offsets(P, s, c0, cn, base);
     const int64_t cn_padded = (cn + kTB - 1) / kTB * kTB;
     // Row vectors whose rows all sit before this chunk take no part in it.
     const int64_t rv0 = std::max<int64_t>(0, (c0 - first_pos) * G) / 16;
@@ -347,11 +348,11 @@ void attend_tile(const Problem<kv_t>& P, const WorkItem& w, Scratch& sc) {
       tile_scores_bf16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), zero, ST);
       tile_value_pairs(P, base, cn, g, VP);
     } else if (f16) {
-      shared = shared_f16_chunk(P, s, g, c0, cn);
+      shared = shared_f16_chunk(P, slot);
       tile_scores_f16(P, base, cn, cn_padded, g, rv0, RV, Mp, reinterpret_cast<const uint32_t*>(Qt), qinv, shared,
                       reinterpret_cast<uint16_t*>(kbuf), ST);
     } else {
-      if (const float* rows = shared_f32_rows(P, s, g, c0, cn)) {
+      if (const float* rows = shared_f32_rows(P, slot)) {
         for (int64_t t = 0; t < cn; ++t) krow[t] = rows + t * D, vrow[t] = rows + (kTileChunk + t) * D;
       } else {
         gather_rows(P, base, cn, g, kbuf, vbuf, krow, vrow);

@@ -1,7 +1,8 @@
 // A call's shared key chunks (SharedChunks): a prompt's tiles each read every chunk of keys before their rows, and
-// each converted or packed each chunk itself (the fp32 tile: bf16 or int8 rows to fp32, 12% of its time at 1,900
-// tokens; the fp16 tile: the largest |value|, the scaling and the fp16 rows, 13%). The full chunks of sequences that
-// several tiles read are prepared once per call, before the tiles run, the same bits a tile gets preparing them itself.
+// each converted or packed each chunk itself (the fp32 tile: bf16 rows to fp32, 12% of its time at 1,900 tokens, and
+// int8 rows likewise; the fp16 tile: the largest |value|, the scaling and the fp16 rows, 13%). The full chunks of
+// sequences that several tiles read are prepared once per call, before the tiles run, the same bits a tile gets
+// preparing them itself.
 // Included by paged_attention.cpp inside its anonymous namespace, after attention_common.h and before attend_tile.h.
 #pragma once
 
@@ -56,19 +57,18 @@ struct F16Chunk {
   float kinv = 1.0f, vinv = 1.0f;
 };
 
+// Slot j's fp16 keys and values (shared_slot; -1 or another form's call: none).
 template <typename kv_t>
-inline F16Chunk shared_f16_chunk(const Problem<kv_t>& P, int64_t s, int64_t g, int64_t c0, int64_t cn) {
+inline F16Chunk shared_f16_chunk(const Problem<kv_t>& P, int64_t j) {
   const SharedChunks& sh = P.shared;
-  const int64_t j = sh.keys == nullptr ? -1 : shared_slot(P, s, g, c0, cn);
-  if (j < 0) return {};
+  if (j < 0 || sh.keys == nullptr) return {};
   return {sh.keys + j * kTileChunk * P.D, sh.values + j * kTileChunk / 2 * P.D, sh.inv[2 * j], sh.inv[2 * j + 1]};
 }
 
-// The chunk's fp32 rows for the fp32 tile, keys then values, where the call shares them, else nullptr.
+// Slot j's fp32 rows for the fp32 tile, keys then values (-1 or another form's call: nullptr).
 template <typename kv_t>
-inline const float* shared_f32_rows(const Problem<kv_t>& P, int64_t s, int64_t g, int64_t c0, int64_t cn) {
-  const int64_t j = P.shared.rows == nullptr ? -1 : shared_slot(P, s, g, c0, cn);
-  return j < 0 ? nullptr : P.shared.rows + j * 2 * kTileChunk * P.D;
+inline const float* shared_f32_rows(const Problem<kv_t>& P, int64_t j) {
+  return j < 0 || P.shared.rows == nullptr ? nullptr : P.shared.rows + j * 2 * kTileChunk * P.D;
 }
 
 // Buffers for SharedChunks, kept by the calling thread across calls (fresh ones would fault their pages each call).
