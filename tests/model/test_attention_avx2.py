@@ -5,20 +5,17 @@ and run here too (haswell_build.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from haswell_build import CSRC, build_for_haswell
+from haswell_build import build_for_haswell
 from test_attention import MANY_DECODES, MIXED, assert_close, make_batch
 
-SOURCES = [Path(__file__).parent / "attention_binding.cpp", CSRC / "paged_attention.cpp"]
 ROWS, TILE = 1 << 30, 1
 
 
 @pytest.fixture(scope="module")
 def haswell():
-    return build_for_haswell("attention", SOURCES)
+    return build_for_haswell()
 
 
 @pytest.mark.parametrize("kernel", [ROWS, TILE], ids=["rows", "tile"])

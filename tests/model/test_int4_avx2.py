@@ -4,22 +4,17 @@ gets, so the AVX2 code is built and run here too (haswell_build.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from haswell_build import CSRC, build_for_haswell
+from haswell_build import build_for_haswell
 from test_int4 import f32_kernel, random_q4
 
 from pagedllm.model.layers import Int4Weight
 
-BINDING = Path(__file__).parent / "int4_f32_binding.cpp"
-SOURCES = [BINDING, CSRC / "int4_linear_f32.cpp"]
-
 
 @pytest.fixture(scope="module")
 def haswell():
-    ext = build_for_haswell("int4_f32", SOURCES)
+    ext = build_for_haswell()
     assert ext.int4_linear_f32_supported()
     return ext
 

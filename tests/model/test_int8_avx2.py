@@ -7,23 +7,18 @@ too (haswell_build.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from haswell_build import CSRC, build_for_haswell
+from haswell_build import build_for_haswell
 from test_layers import random_int8
 
 from pagedllm.model import kernels
 from pagedllm.model.layers import Int8Weight
 
-BINDING = Path(__file__).parent / "int8_gemm_binding.cpp"
-SOURCES = [BINDING, CSRC / "int8_gemm.cpp", CSRC / "int8_linear.cpp"]
-
 
 @pytest.fixture(scope="module")
 def haswell():
-    ext = build_for_haswell("int8", SOURCES)
+    ext = build_for_haswell()
     assert ext.int8_gemm_supported()
     return ext
 

@@ -5,20 +5,16 @@ gets, so the AVX2 code is built and run here too (haswell_build.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from haswell_build import CSRC, build_for_haswell
+from haswell_build import build_for_haswell
 
 from pagedllm.model import kernels
-
-SOURCES = [Path(__file__).parent / "top_k_binding.cpp", CSRC / "top_k.cpp"]
 
 
 @pytest.fixture(scope="module")
 def haswell():
-    return build_for_haswell("top_k", SOURCES)
+    return build_for_haswell()
 
 
 @pytest.fixture(scope="module")

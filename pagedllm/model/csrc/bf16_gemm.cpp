@@ -19,7 +19,8 @@
 // Sums are fp32 over all of K (vdpbf16ps: products of bf16 exact in fp32, round to nearest even), rounded to bf16
 // once into the output.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

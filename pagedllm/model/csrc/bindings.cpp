@@ -1,5 +1,5 @@
 // The Python module of pagedllm's C++ kernels: one extension, built from every source in csrc/.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; lighter to compile than torch/extension.h
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -7,7 +7,10 @@
 // one by one with the same arithmetic. As plain float loops they ran 2-5x slower (-O3 cannot vectorise the sum
 // of squares without reassociating); these loops are bound by the vector ALUs, so ops per value count.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

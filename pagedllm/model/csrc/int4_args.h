@@ -3,7 +3,7 @@
 // tile width and the packed layout within a tile's group differ.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <initializer_list>

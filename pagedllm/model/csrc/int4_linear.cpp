@@ -13,7 +13,8 @@
 //   scales, mins [N/16, K/32, 16] fp16: d and m of output row 16t + i in group g.
 // so that one 32-byte load gives two k-pairs of 16 rows in the lane order of _mm512_dpbf16_ps.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

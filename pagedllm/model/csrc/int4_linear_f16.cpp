@@ -19,7 +19,8 @@
 // threads: 1.1-1.3x int4_linear_f32's speed at 16 rows, 1.3-1.6x from 64 (docs/performance.md).
 // Layout: int4_linear_f32.cpp's (Int4Weight.pack_f32).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

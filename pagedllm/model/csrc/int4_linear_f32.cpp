@@ -22,7 +22,8 @@
 //                                                                | q[64t + 32h + 16 + b, 32g + k] << 4
 //   scales, mins [N/64, K/32, 64] fp16: d and m of output column 64t + c in group g.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

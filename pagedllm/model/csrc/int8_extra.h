@@ -2,7 +2,7 @@
 // kept out of the int8 product (Int8Weight's outlier channels) times their rows of the plain weight.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

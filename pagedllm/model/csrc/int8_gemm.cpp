@@ -30,7 +30,7 @@
 // same packed weight and gives the same sums and bits with vpmaddubsw and vpmaddwd, for activations within +-64
 // (int8_gemm_input_max; the callers quantise to it).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -5,7 +5,9 @@
 // caller runs the matmul a block of columns at a time. With AVX512-VNNI the matmul and the scale-back are one
 // kernel instead (int8_gemm.cpp); quantize_rows_int8 serves both.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 // Writing a step's keys and values into the paged KV cache: copied, rounded to bf16, or quantised into int8
 // records (attention_common.h's row format), at the slots the block tables give.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -18,7 +18,7 @@
 // Weights, x and out are float32 or bfloat16 (all one dtype), accumulation in fp32. Vectors are GCC vector
 // extensions (16 floats): AVX-512 with -march=native where present, narrower registers elsewhere.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

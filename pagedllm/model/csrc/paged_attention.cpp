@@ -19,7 +19,8 @@
 // The kernels are in the headers included below (attention_common.h, rows_bf16.h, rows_steps.h, attend_rows.h,
 // attend_tile.h); this file splits a call into work items and runs them.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -1,7 +1,9 @@
 // The greedy logits pass: each row's k largest logits and its logsumexp in one read of the row
 // (LlamaModel.top_logits), so that no fp32 [S, vocab] tensor, full-vocabulary topk or logsumexp is made.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
