@@ -1,4 +1,5 @@
-"""Where the bf16 tiled (prompt) attention kernel spends its time: the kernel built alone (with the tests' binding),
+"""Where the bf16 tiled (prompt) attention kernel spends its time: the kernel built alone (with the tests' binding of
+then, tests/model/attention_binding.cpp, until c23c35b),
 as it is and with one part taken out (its line made an empty statement; results wrong, only timed), on one prompt
 of N tokens with the default model's heads (9/3 x 64, bf16 queries and cache, blocks of 16 in random order); ms per
 layer call, min and median of 28 calls, the variants alternated twice. From the repository root:

@@ -1,8 +1,8 @@
 """Decode attention alone, variant against variant: copies of pagedllm/model/csrc (folders under ROOT, default
-/tmp/attn: `before` = the commit before, `after` = this one) built with tests/model/attention_binding.cpp, S
-sequences x T keys over L layers' caches (past the L3 at 30), SmolLM2's 9 heads / 3 kv heads / 64 dims, a bf16
-cache in shuffled blocks of a POOL-block pool per layer on 2 MB pages, fp32 queries (QDTYPE=bfloat16: bf16 ones),
-variants alternated call by call.
+/tmp/attn: `before` = the commit before, `after` = this one) built with tests/model/attention_binding.cpp (until
+c23c35b: `git show c23c35b^:tests/model/attention_binding.cpp`), S sequences x T keys over L layers' caches (past
+the L3 at 30), SmolLM2's 9 heads / 3 kv heads / 64 dims, a bf16 cache in shuffled blocks of a POOL-block pool per
+layer on 2 MB pages, fp32 queries (QDTYPE=bfloat16: bf16 ones), variants alternated call by call.
 
 usage: [QDTYPE=bfloat16] python abx.py VARIANTS THREADS S T L ROUNDS   (e.g. before,after 2 64 300 30 12)"""
 import os

@@ -1,7 +1,8 @@
 """The greedy logits pass (top_k.cpp) alone, before against after, alternated call by call: rows x 49,152 fp32 logits,
 k = 20 (what a step with logprobs asks) and 1, 2 threads, best and median of ROUNDS.
 usage: python top_k_ab.py ROOT ROUNDS (ROOT/before, ROOT/after: copies of top_k.cpp with vec16.h and exp2_poly.h;
-ROOT/top_k_binding.cpp from tests/model)"""
+ROOT/top_k_binding.cpp from tests/model until c23c35b:
+`git show c23c35b^:tests/model/top_k_binding.cpp`)"""
 import sys
 import time
 
