@@ -27,11 +27,12 @@ from pagedllm.model import kernels
 
 @dataclass(frozen=True)
 class AttentionRoute:
-    """Which kernel attends each sequence: the tiled (prefill) one from this many query rows (queries x query heads
-    per kv head), the row (decode) one below; `few_tile_min_rows` in steps of fewer than 4 sequences per thread,
-    where the row kernel splits contexts over threads. `tile_pairs`: bf16 tiles on vdpbf16ps where the CPU has it
-    (else their fp32 kernel); `tile_f16`: fp32 queries over a bf16 cache with fp16 products (AVX512-FP16; only where
-    `--dtype auto` chose fp32). Measured where the engine runs (model/attention_dispatch.py)."""
+    """Which kernel attends each sequence: the tiled (prefill) one from this many query rows (queries x query heads per
+    kv head), the row (decode) one below; `few_tile_min_rows` in steps of fewer than 4 sequences per thread, where
+    the row kernel splits contexts over threads. `tile_pairs`: bf16 queries' tiles and decode scores on vdpbf16ps
+    where the CPU has it (else their fp32 forms, the queries widened); `tile_f16`: fp32 queries over a bf16 cache
+    with fp16 products (AVX512-FP16; only where `--dtype auto` chose fp32). Measured where the engine runs
+    (model/attention_dispatch.py)."""
 
     tile_min_rows: int = 20
     few_tile_min_rows: int = 20

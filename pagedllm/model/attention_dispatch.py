@@ -141,7 +141,8 @@ class AttentionTable:
         route = self.route()
         forms = ""
         if self.tile_forms:
-            taken = (f"bf16 tiles {'on vdpbf16ps' if route.tile_pairs else 'in fp32'}" if "pairs" in self.tile_forms
+            taken = (f"bf16 queries (tiles, decode) {'on vdpbf16ps' if route.tile_pairs else 'in fp32'}"
+                     if "pairs" in self.tile_forms
                      else f"fp32 tiles {'with fp16 products' if route.tile_f16 else 'in fp32'}")
             forms = (f"; {taken} (a {PROMPT}-token prompt "
                      + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.tile_forms.items()) + ")")

@@ -339,6 +339,21 @@ def test_fp32_queries_over_bf16_cache_equal_reference(cpp: None, specs: list, he
     torch.testing.assert_close(out, fp32_q.run("reference"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("specs", [MANY_DECODES, FEW_LONG[2]], ids=["many-decodes", "split"])
+@pytest.mark.parametrize("heads", FP32_Q_HEADS, ids=["gqa3", "gqa4", "gqa6", "gqa1"])
+@pytest.mark.parametrize("head_dim", [64, 32, 128])
+def test_bf16_queries_decode_as_widened_fp32_ones_where_the_route_takes_no_vdpbf16ps(
+        cpp: None, specs: list, heads: tuple[int, int], head_dim: int) -> None:
+    """Where the route does not take vdpbf16ps for bf16 queries (tile_pairs off: measured slower, as on the Intel
+    Xeon model 207; or a CPU without it), their decode over a bf16 cache is the fp32 queries' kernel on them
+    widened: its output rounded to bf16, bit for bit (contexts split over the threads too)."""
+    b = make_batch(specs, *heads, head_dim, 16, torch.bfloat16)
+    widened = Batch(**{**b.__dict__, "q": b.q.float()})
+    out = b.run(tile_min_rows=ROWS, pairs=False)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, widened.run(tile_min_rows=ROWS, pairs=False).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
 @pytest.mark.parametrize("heads", FP32_Q_HEADS[:2], ids=["gqa3", "gqa4"])
 @pytest.mark.parametrize("head_dim", [64, 96])

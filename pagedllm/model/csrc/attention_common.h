@@ -173,7 +173,7 @@ struct Problem {
   int64_t H, KVH, G, D, BS, MB;
   float scale_log2;  // softmax scale times log2(e): scores live in log2 units so exp becomes exp2
   Splits split;
-  bool tile_pairs = true;  // attend_tile may run on vdpbf16ps (bf16_tile); false: its fp32 kernel (measured choice)
+  bool tile_pairs = true;  // bf16 queries on vdpbf16ps (bf16_tile, attend_decode); false: fp32 forms (measured)
   bool tile_f16 = false;   // attend_tile may run fp32 queries with fp16 products (f16_tile; measured choice)
   SharedChunks shared = {};
   int64_t RL = row_len<kv_t>(D);  // cache elements per kv head and token

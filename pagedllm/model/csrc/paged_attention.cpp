@@ -93,8 +93,8 @@ bool tile_f16_supported() {
 // See pagedllm/attention.py:paged_attention for the contract. tile_min_rows: sequences with at least this many
 // query rows (queries x query heads per kv head) use the tiled (prefill) kernel, the others the row kernel; in a
 // step of fewer than 4 sequences per thread (where the row kernel splits contexts over threads) few_tile_min_rows.
-// tile_pairs: bf16 queries over a bf16 cache may take the tiled kernel's vdpbf16ps form (bf16_tile); tile_f16: fp32
-// queries over a bf16 cache its fp16 products (f16_tile).
+// tile_pairs: bf16 queries over a bf16 cache may take the vdpbf16ps forms (bf16_tile; the decode's scores,
+// attend_decode), else their fp32 ones; tile_f16: fp32 queries over a bf16 cache the tiles' fp16 products (f16_tile).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
