@@ -35,4 +35,5 @@ for _ in range(reps):
     cpp_attention(q, kc, vc, table, lens, starts, D ** -0.5, n, route)
     times.append(time.perf_counter() - start)
 times.sort()
-print(f"{form} tile, {queries} queries, {n} tokens: min {times[0] * 1e3:.2f} ms, median {times[len(times) // 2] * 1e3:.2f}")
+print(f"{form} tile, {queries} queries, {n} tokens: min {times[0] * 1e3:.2f} ms, "
+      f"median {times[len(times) // 2] * 1e3:.2f}")
