@@ -354,6 +354,21 @@ def test_bf16_queries_decode_as_widened_fp32_ones_where_the_route_takes_no_vdpbf
     assert torch.equal(out, widened.run(tile_min_rows=ROWS, pairs=False).to(torch.bfloat16))
 
 
+def test_bf16_queries_decode_on_vdpbf16ps_where_the_route_takes_it(cpp: None) -> None:
+    """The other side of the route: with tile_pairs on, on a CPU with AVX512-BF16, bf16 queries' decode runs its
+    vdpbf16ps scores, whose sums round in another order than the widened fp32 form's (so some output bits differ),
+    and stays close to the reference."""
+    if not kernels.load().tile_pairs_supported():
+        pytest.skip("no AVX512-BF16: bf16 queries' decode has only the fp32 form")
+    differ = 0
+    for head_dim in (64, 32, 128):
+        b = make_batch(MANY_DECODES, 9, 3, head_dim, 16, torch.bfloat16)
+        pairs = b.run(tile_min_rows=ROWS, pairs=True)
+        assert_close(pairs, b.run("reference"))
+        differ += not torch.equal(pairs, b.run(tile_min_rows=ROWS, pairs=False))
+    assert differ > 0
+
+
 @pytest.mark.parametrize("specs", FEW_LONG, ids=["one", "two", "three", "chunk", "short"])
 @pytest.mark.parametrize("heads", FP32_Q_HEADS[:2], ids=["gqa3", "gqa4"])
 @pytest.mark.parametrize("head_dim", [64, 96])
