@@ -27,10 +27,11 @@ MODE: dict[str, object] = {"act": None, "kv": None}
 def exact_weight(w: Int4Weight) -> torch.Tensor:
     """The file's weights [out, in] in fp32, unpacked from the int4 kernel's layout (cached on the object)."""
     if not hasattr(w, "exact"):
-        tiles, groups = w.packed.shape[:2]
-        q = torch.stack([w.packed & 15, w.packed >> 4], 3).view(tiles, groups, 16, 16, 2)
+        packed, scales, mins = w.form
+        tiles, groups = packed.shape[:2]
+        q = torch.stack([packed & 15, packed >> 4], 3).view(tiles, groups, 16, 16, 2)
         q = q.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, 32).float()
-        scale, mn = (a.transpose(1, 2).reshape(tiles * 16, groups, 1).float() for a in (w.scales, w.mins))
+        scale, mn = (a.transpose(1, 2).reshape(tiles * 16, groups, 1).float() for a in (scales, mins))
         w.exact = (q * scale + mn).reshape(tiles * 16, groups * 32)
     return w.exact
 

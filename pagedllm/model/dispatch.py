@@ -37,8 +37,9 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # addmm over them afterwards: the greedy logits pass 11% faster at 64 rows, 14% at 256, docs/scripts/logits_pass.py;
 # 9: row counts timed coarse to fine, kernel_timing.py: a table cut short by its budget had the wrong crossover; 10:
 # the 4-bit weights with fp16 products, int4_f16; 11: the biggest row count's once-over checked against its neighbour
-# below, kernel_timing.check_in_line: a cached table had a stalled sample decide every batch past 724 rows).
-KERNELS_VERSION = "11"
+# below, kernel_timing.check_in_line: a cached table had a stalled sample decide every batch past 724 rows; 12: int4_f16
+# in bf16 models too).
+KERNELS_VERSION = "12"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5

@@ -105,7 +105,8 @@ class PackedWeight:
 
     def paths(self) -> frozenset[str]:
         """The forms this weight can run as (dispatch's path names)."""
-        forms = {"int4": self.int4, "int4_f16": self.int4 and self.int4.f16_scale, "bf16_gemm": self.bf16,
+        int4 = self.int4
+        forms = {"int4": int4 and int4.form, "int4_f16": int4 and int4.f16_scale, "bf16_gemm": self.bf16,
                  "bf16_plain": self.plain}
         int8 = self.int8.forms() if self.int8 is not None else frozenset()
         onednn = frozenset({"onednn"}) if self.packed is not None else frozenset()
@@ -124,8 +125,8 @@ class PackedWeight:
         bf16_gemm take every batch, 1.8 GB of RSS: docs/performance.md, the 1B section)."""
         self.packed = self.packed if "onednn" in paths else None
         self.int4 = self.int4 if paths & {"int4", "int4_f16"} else None
-        if self.int4 is not None and "int4_f16" not in paths:
-            self.int4.f16_scale = None  # the same nibbles: only the fp16 form's name goes
+        if self.int4 is not None:
+            self.int4.keep(own="int4" in paths, f16="int4_f16" in paths)
         self.bf16 = self.bf16 if "bf16_gemm" in paths else None
         self.plain = self.plain if "bf16_plain" in paths else None
         if self.int8 is not None:

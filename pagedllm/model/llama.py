@@ -221,7 +221,8 @@ class LlamaModel:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
         int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm="int8_mm" in make) if make & INT8_FORMS else None
         bf16 = Bf16Weight(plain, self.ext) if "bf16_gemm" in make else None
-        int4 = Int4Weight(*q4, self.ext, self.dtype, f16="int4_f16" in make) if make & INT4_FORMS else None
+        int4 = Int4Weight(*q4, self.ext, self.dtype, f16="int4_f16" in make, own="int4" in make) \
+            if make & INT4_FORMS else None
         weight = PackedWeight(plain, int4, int8, bf16, onednn="onednn" in make)
         weight.skipped = forms - weight.paths()
         return weight
@@ -229,7 +230,8 @@ class LlamaModel:
     def possible_forms(self, shape: tuple[int, ...], kind: str, int4: bool) -> frozenset[str]:
         """dispatch's names of the forms a weight of this shape and kind can have here (its paths() when all are
         made; `int4`: it has 4-bit parts a kernel takes)."""
-        forms = {"onednn", *(["int4"] if int4 else []), *(["int4_f16"] if int4 and self.f16 else []),
+        f16 = int4 and self.f16 and Int4Weight.f16_available(self.dtype, self.ext, shape[0])
+        forms = {"onednn", *(["int4"] if int4 else []), *(["int4_f16"] if f16 else []),
                  *(["bf16_plain"] if PackedWeight.widens(self.dtype) else [])}
         if kind in self.int8:
             forms |= Int8Weight.forms_for(self.ext, shape[1], int_mm=True)

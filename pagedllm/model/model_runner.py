@@ -62,19 +62,26 @@ def int8_matmuls(config: EngineConfig, dtype: torch.dtype, has_4bit: bool) -> tu
     return int8
 
 
-def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
-    """The 4-bit weights and the prompts' attention may run with fp16 products (AVX512-FP16: twice fp32's
-    multiply-adds per instruction; each lane's fp16 sum takes at most 32-48 products before fp32 does) where `--dtype
-    auto` chose fp32 and quantization is left to the engine; the measured dispatches take them where they are faster.
-    An explicit float32 (or int4) stays exact."""
+def fp16_tiles(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The prompts' attention may run with fp16 products (AVX512-FP16: twice fp32's multiply-adds per instruction;
+    each lane's fp16 sum takes at most 48 products before fp32 does) where `--dtype auto` chose fp32 and quantization
+    is left to the engine; the measured dispatch takes them where they are faster. An explicit float32 (or int4) stays
+    exact; bf16 queries keep their own forms (fp16 tiles had 1.12x vdpbf16ps's error: docs/performance-log.md)."""
     return config.quantization == "auto" and dispatch.auto_fp32(config.dtype, dtype)
+
+
+def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The 4-bit weights may run with fp16 products (each lane's fp16 sum 32 products long) where fp16_tiles allows
+    them, and in a bf16 model with quantization left to the engine, whose own products round weights and activations
+    to bf16's 8 bits (fp16 keeps 11); the measured dispatch takes them where they are faster."""
+    return fp16_tiles(config, dtype) or (config.quantization == "auto" and dtype == torch.bfloat16)
 
 
 def attention_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype
                     ) -> AttentionShape:
     """What the attention dispatch measures for this engine: the model's heads, the dtypes, whether fp16 products
     are allowed."""
-    return AttentionShape.of(model, dtype, kv_dtype, config.block_size, f16=fp16_products(config, dtype))
+    return AttentionShape.of(model, dtype, kv_dtype, config.block_size, f16=fp16_tiles(config, dtype))
 
 
 def kv_row_shape(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:

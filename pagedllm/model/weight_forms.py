@@ -19,9 +19,10 @@ class Int4Weight:
     """A GGUF Q4_0 / Q4_1 weight packed once for a C++ int4 kernel, which computes with the file's weights exactly:
     w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
     csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
-    the loader's fp32 ones; each has its own layout. An fp32 weight with `f16` also runs csrc/int4_linear_f16.cpp
+    the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
     (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long; not exact, so only where
-    `--dtype auto` chose fp32, and where dispatch measures it faster): the same packed nibbles, no more memory."""
+    `--dtype auto` chose fp32 or the model is bf16, and where dispatch measures it faster) on the fp32 kernel's layout:
+    an fp32 model's own nibbles, a second packing in a bf16 model (until a route leaves one unused: `keep`)."""
 
     GROUP = 32
     TILE = 16  # output rows per tile (bf16 kernel)
@@ -29,20 +30,40 @@ class Int4Weight:
     BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType,
-                 dtype: torch.dtype = torch.bfloat16, f16: bool = False) -> None:
+                 dtype: torch.dtype = torch.bfloat16, f16: bool = False, own: bool = True) -> None:
+        """own: this dtype's kernel's form (a later start whose cached route takes only the fp16 one makes none);
+        f16: the fp16 products' form, where the kernel runs these weights here."""
         self.dtype = dtype
-        self.packed = self.pack_f32(q) if dtype == torch.float32 else self.pack_bf16(q)
-        tiles, tile, groups = self.packed.shape[0], self.tile(dtype), q.shape[1] // self.GROUP
-        self.scales, self.mins = (a.view(tiles, tile, groups).transpose(1, 2).contiguous().half()
-                                  for a in (scale, min_))
         self.ext = ext
         # the fp16 kernel's weight scale, if it runs here: the power of two that puts every |q * d + m| below 1
-        self.f16_scale = self.weight_scale(scale, min_) if f16 and self.f16_available(dtype, ext) else None
+        f16 = f16 and self.f16_available(dtype, ext, q.shape[0])
+        self.f16_scale = self.weight_scale(scale, min_) if f16 else None
+        # (nibbles, scales, mins) as this dtype's kernel takes them, and as the fp16 one does (an fp32 model's own);
+        # None where no route takes that kernel
+        form = self.packed_form(q, scale, min_, dtype) if own or (f16 and dtype == torch.float32) else None
+        self.form: tuple[torch.Tensor, ...] | None = form if own else None
+        self.f16_form = (form if dtype == torch.float32 else self.packed_form(q, scale, min_, torch.float32)) \
+            if f16 else None
 
-    @staticmethod
-    def f16_available(dtype: torch.dtype, ext: ModuleType | None) -> bool:
-        """int4_linear_f16 runs an fp32 model's 4-bit weights here (a build with AVX512-FP16)."""
-        return dtype == torch.float32 and ext is not None and ext.int4_linear_f16_supported()
+    @classmethod
+    def packed_form(cls, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, ...]:
+        """The nibbles, scales and mins in the layout of this dtype's kernel."""
+        packed = cls.pack_f32(q) if dtype == torch.float32 else cls.pack_bf16(q)
+        tiles, tile, groups = packed.shape[0], cls.tile(dtype), q.shape[1] // cls.GROUP
+        return packed, *(a.view(tiles, tile, groups).transpose(1, 2).contiguous().half() for a in (scale, min_))
+
+    @classmethod
+    def f16_available(cls, dtype: torch.dtype, ext: ModuleType | None, rows: int = F32_TILE) -> bool:
+        """int4_linear_f16 runs this model dtype's 4-bit weights of `rows` outputs here (a build with AVX512-FP16;
+        whole tiles of the fp32 kernel's layout)."""
+        return (dtype in (torch.float32, torch.bfloat16) and rows % cls.F32_TILE == 0 and ext is not None
+                and ext.int4_linear_f16_supported())
+
+    def keep(self, own: bool, f16: bool) -> None:
+        """Drop the kernels' forms no route takes (own: this dtype's kernel; f16: the fp16 products')."""
+        self.form = self.form if own else None
+        self.f16_scale, self.f16_form = (self.f16_scale, self.f16_form) if f16 else (None, None)
 
     @staticmethod
     def weight_scale(scale: torch.Tensor, min_: torch.Tensor) -> float:
@@ -90,11 +111,11 @@ class Int4Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.ext.int4_linear_f32 if self.dtype == torch.float32 else self.ext.int4_linear
-        return kernel(x.contiguous(), self.packed, self.scales, self.mins)
+        return kernel(x.contiguous(), *self.form)
 
     def mm_f16(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T with fp16 products (int4_linear_f16.cpp); only where f16_scale is set."""
-        return self.ext.int4_linear_f16(x.contiguous(), self.packed, self.scales, self.mins, self.f16_scale)
+        """x @ W.T with fp16 products (int4_linear_f16.cpp), in x's dtype; only where f16_scale is set."""
+        return self.ext.int4_linear_f16(x.contiguous(), *self.f16_form, self.f16_scale)
 
 
 def transposed(plain: torch.Tensor, rows: int = 256) -> torch.Tensor:

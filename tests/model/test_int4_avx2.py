@@ -29,5 +29,5 @@ def test_the_avx2_build_gives_this_builds_sums_bit_for_bit(haswell, n, k):
         weight = Int4Weight(*random_q4(n, k, q4_0, n * k), ext, torch.float32)
         for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 97):
             x = torch.randn(rows, k, generator=g)
-            ours = haswell.int4_linear_f32(x, weight.packed, weight.scales, weight.mins)
+            ours = haswell.int4_linear_f32(x, *weight.form)
             assert torch.equal(ours, weight.mm(x)), (n, k, rows, q4_0)

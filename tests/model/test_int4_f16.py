@@ -1,18 +1,20 @@
 """The 4-bit weights with fp16 products (csrc/int4_linear_f16.cpp, AVX512-FP16): closer to the fp32 product than
-bf16's rounding, finite whatever the activations' scale, each row's sums its own, and taken only where `--dtype auto`
-chose fp32."""
+bf16's rounding, finite whatever the activations' scale, each row's sums its own, bf16 rows through the same sums, and
+taken only where `--dtype auto` chose fp32 or the model is bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import write_gguf
-from test_int4 import random_q4
+from test_int4 import STEPS, logprob_error, random_q4, teacher_forced_logprobs
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.hf_backend import load_hf_model
 from pagedllm.config import EngineConfig
 from pagedllm.model import kernels
-from pagedllm.model.model_runner import fp16_products
+from pagedllm.model.layers import PackedWeight
+from pagedllm.model.model_runner import fp16_products, fp16_tiles
 from pagedllm.model.weight_forms import Int4Weight
 
 
@@ -91,13 +93,51 @@ def test_the_weight_scale_is_the_power_of_two_below_the_largest_weight():
     assert Int4Weight.weight_scale(torch.zeros(2, 1), torch.zeros(2, 1)) == 1.0
 
 
-def test_only_dtype_auto_choosing_fp32_allows_fp16_products(monkeypatch):
-    """An explicit float32 stays exact; bf16 has its own kernels; quantization none or w8a8 keeps them out."""
-    assert fp16_products(EngineConfig(dtype="auto"), torch.float32)
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 576), (128, 160)])
+def test_bf16_rows_give_the_fp32_rows_sums_rounded_to_bf16(n, k):
+    """A bf16 model's activations (exact in fp32) through the same fp16 sums: the output is the fp32 rows' output
+    rounded to bf16 (nearest even), bit for bit, for every block size; a NaN row stays its own."""
+    ext = f16_kernel()
+    q, scale, min_ = random_q4(n, k, False, n * k)
+    bf16 = Int4Weight(q, scale, min_, ext, torch.bfloat16, f16=True)
+    fp32 = Int4Weight(q, scale, min_, ext, torch.float32, f16=True)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 5, 6, 7, 13, 64, 131):
+        x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        x[-1, 1] = float("nan") if rows > 1 else x[-1, 1]
+        out = bf16.mm_f16(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+        torch.testing.assert_close(out, fp32.mm_f16(x.float()).bfloat16(), rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(out[0], bf16.mm_f16(x[:1].clone())[0])
+        assert rows == 1 or (out[-1].isnan().all() and not out[:-1].isnan().any())
+
+
+def test_a_bf16_weight_keeps_only_the_forms_its_route_takes():
+    """A bf16 model's fp16 form is a second packing (the fp32 kernel's layout): the route's choice drops the other."""
+    ext = f16_kernel()
+    q, scale, min_ = random_q4(128, 64, True, 9)
+    for taken in ({"int4_f16"}, {"int4"}, {"int4", "int4_f16"}):
+        w = PackedWeight(torch.empty(128, 64, dtype=torch.bfloat16, device="meta"),
+                         Int4Weight(q, scale, min_, ext, torch.bfloat16, f16=True), onednn=False)
+        assert w.paths() == {"int4", "int4_f16"}
+        w.keep_only(frozenset(taken))
+        assert w.paths() == taken
+        assert (w.int4.form is None) is ("int4" not in taken) and (w.int4.f16_form is None) is ("int4_f16" not in taken)
+    assert not Int4Weight.f16_available(torch.bfloat16, ext, 96)  # not whole tiles of 64 outputs
+
+
+def test_fp16_products_where_dtype_auto_chose_fp32_or_the_model_is_bf16(monkeypatch):
+    """An explicit float32 stays exact; a bf16 model's 4-bit weights may take them (its own kernel rounds to bf16),
+    its attention keeps its forms; quantization none or w8a8 keeps them out."""
+    assert fp16_products(EngineConfig(dtype="auto"), torch.float32) and fp16_tiles(EngineConfig(), torch.float32)
     assert not fp16_products(EngineConfig(dtype="float32"), torch.float32)
-    assert not fp16_products(EngineConfig(dtype="auto"), torch.bfloat16)
+    assert not fp16_tiles(EngineConfig(dtype="float32"), torch.float32)
+    for dtype in ("auto", "bfloat16"):
+        assert fp16_products(EngineConfig(dtype=dtype), torch.bfloat16)
+        assert not fp16_tiles(EngineConfig(dtype=dtype), torch.bfloat16)
     for quantization in ("none", "w8a8", "int4"):
-        assert not fp16_products(EngineConfig(dtype="auto", quantization=quantization), torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert not fp16_products(EngineConfig(dtype="auto", quantization=quantization), dtype)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +170,37 @@ def test_a_model_forced_onto_fp16_products_runs_them_and_keeps_fp32s_tokens(q4_g
     exact = LLM(model=q4_gguf, dtype="float32", kv_cache_memory="16MiB")
     assert not exact.engine.runner.model.f16
     assert f16 == [list(o.outputs[0].token_ids) for o in exact.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_bf16_model_on_fp16_products_stays_as_close_to_fp32_as_transformers_bf16(q4_gguf, monkeypatch):
+    """Every layer matmul of a bf16 model forced onto the fp16 form runs it, and the logprobs stay as close to
+    transformers' fp32 run of the dequantized weights as transformers' own bf16 run does; every block comes back."""
+    f16_kernel()
+    if not PackedWeight.native(torch.bfloat16):
+        pytest.skip("no native bf16 matmul on this CPU")
+    calls = {"n": 0}
+    mm_f16 = Int4Weight.mm_f16
+
+    def counting(self, x):
+        assert x.dtype == torch.bfloat16
+        calls["n"] += 1
+        return mm_f16(self, x)
+
+    monkeypatch.setattr(Int4Weight, "mm_f16", counting)
+    monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_f16")
+    llm = LLM(model=q4_gguf, dtype="bfloat16", kv_cache_memory="16MiB")
+    assert llm.engine.runner.model.f16
+    fp32, _, _ = load_hf_model(q4_gguf, torch.float32)
+    bf16, _, _ = load_hf_model(q4_gguf, torch.bfloat16)
+    ours_err = hf_err = 0.0
+    for prompt in ([1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5),
+                           use_tqdm=False)[0].outputs[0]
+        ref = teacher_forced_logprobs(fp32, prompt, out)
+        ours_err = max(ours_err, logprob_error(out, ref))
+        hf_err = max(hf_err, logprob_error(out, ref, teacher_forced_logprobs(bf16, prompt, out)))
+    assert calls["n"] == 3 * STEPS * 2 * 4  # every step, every layer matmul
+    print(f"max top-5 logprob error vs fp32: ours {ours_err:.4f}, transformers bf16 {hf_err:.4f}")
+    assert ours_err <= 1.5 * hf_err + 0.05, (ours_err, hf_err)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks

@@ -91,16 +91,16 @@ def test_a_later_start_makes_only_the_routed_forms(q4_gguf, monkeypatch):
 
 def test_a_later_start_keeps_the_fp16_form_its_routes_take(q4_gguf, monkeypatch):
     """Where the 4-bit weights' fp16 products win (AVX512-FP16, `--dtype auto` on fp32), a later start builds that
-    form (from the same nibbles, beside the exact kernel's name) and runs it (where they lose, the test above: the
-    later start's weights have the exact kernel's form alone)."""
+    form alone (no route takes the exact kernel's) and runs it (where they lose, the test above: the later start's
+    weights have the exact kernel's form alone)."""
     from pagedllm.model.weight_forms import Int4Weight
     if not Int4Weight.f16_available(torch.float32, kernels.load()):
         pytest.skip("no fp16 4-bit kernel on this CPU (it needs AVX512-FP16)")
     monkeypatch.setitem(PER_ROW, "int4_f16", 0.5)
     first = engine(q4_gguf)
-    assert forms(first)["qkv"][0] == (frozenset({"int4", "int4_f16"}), frozenset())
+    assert forms(first)["qkv"][0] == (frozenset({"int4_f16"}), frozenset())
     second = engine(q4_gguf)
-    assert forms(second)["qkv"][0] == (frozenset({"int4", "int4_f16"}), frozenset({"onednn"}))
+    assert forms(second)["qkv"][0] == (frozenset({"int4_f16"}), frozenset({"onednn", "int4"}))
     assert {w.path_for(64) for w in second.engine.runner.model.packed_weights()["gate_up"]} == {"int4_f16"}
     assert greedy(second) == greedy(first)
 

@@ -58,8 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inputs, bit for bit the loader's fp32 weights)", nogil);
   m.def("int4_linear_f32_supported", &int4_linear_f32_supported, "Whether this build has int4_linear_f32's "
         "instructions");
-  m.def("int4_linear_f16", &int4_linear_f16, "x @ W.T for an fp32 model's 4-bit GGUF weights with fp16 products "
-        "(int4_linear_f32's layout; w_scale: the power of two that puts the weights below 1)", nogil);
+  m.def("int4_linear_f16", &int4_linear_f16, "x @ W.T for 4-bit GGUF weights with fp16 products, x and the output fp32 "
+        "or bf16 (int4_linear_f32's layout; w_scale: the power of two that puts the weights below 1)", nogil);
   m.def("int4_linear_f16_supported", &int4_linear_f16_supported, "Whether this build has int4_linear_f16's "
         "instructions (AVX512-FP16)");
   namespace py = pybind11;
