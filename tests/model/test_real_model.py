@@ -122,7 +122,9 @@ def test_default_path_passes_the_accuracy_gate(monkeypatch):
     allowed here, whatever the measured times). The bf16 variants run pinned routes (the hand-set cut-offs, not the
     measured ones): which of its equally valid forms a step takes moves plain bf16's own error by ~12% on these 24
     prompts (0.0357-0.0401 by form on the Intel Xeon model 207), so two measured variants compared their routes as
-    much as their arithmetic, and a pair 1.26x apart failed the gate once."""
+    much as their arithmetic, and a pair 1.26x apart failed the gate once. Where the CPU has AVX512-FP16, "auto" pins
+    its layers to the 4-bit weights' fp16 products, which a bf16 model's measured routes take from 8-16 rows there
+    (the hand-set cut-offs would run its prompts on bf16 matmuls, plain bf16's own arithmetic)."""
     import dataclasses
 
     from pagedllm.bench.accuracy import run_gate
@@ -134,9 +136,11 @@ def test_default_path_passes_the_accuracy_gate(monkeypatch):
         measured_route(table), tile_f16="f16" in table.tile_forms))
 
     pinned = {dispatch.FORCE_ENV: "static", attention_dispatch.FORCE_ENV: "static"}
+    f16 = Int4Weight.f16_available(torch.bfloat16, kernels.load())
+    layers = {**pinned, dispatch.FORCE_ENV: "int4_f16"} if f16 else pinned
     variants = {"bf16": dict(dtype="bfloat16", quantization="none", environment=pinned),
-                "auto": dict(dtype="bfloat16", environment=pinned),
-                "auto + int8 KV": dict(dtype="bfloat16", kv_cache_dtype="int8", environment=pinned),
+                "auto": dict(dtype="bfloat16", environment=layers),
+                "auto + int8 KV": dict(dtype="bfloat16", kv_cache_dtype="int8", environment=layers),
                 # w8a8 everywhere: int8 wherever a matmul has that form, not where the measured dispatch found it faster
                 # (on a busy machine it may find oneDNN faster at every step size: w8a8 would then run what auto does)
                 "w8a8": dict(dtype="bfloat16", quantization="w8a8", environment={**pinned, dispatch.FORCE_ENV: "int8"}),
