@@ -3,6 +3,8 @@ fp32 output equals transformers + PEFT with that adapter, token for token (the t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_engine import assert_greedy_of, greedy
@@ -20,14 +22,13 @@ ADAPTERS = [  # (seed, rank, targets)
 ]
 
 
-def peft_adapter(path: str, seed: int, rank: int, targets: tuple[str, ...]) -> torch.nn.Module:
+def peft_adapter(base: torch.nn.Module, path: str, seed: int, rank: int, targets: tuple[str, ...]) -> torch.nn.Module:
     """A random adapter for the default model, made and saved by PEFT (lora_B randomized: PEFT's zeros change
-    nothing); the PEFT model it was saved from, the reference."""
+    nothing); the PEFT model it was saved from (on a copy of `base`), the reference."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # PEFT's lora_A initialisation
-    base, _, _ = load_hf_model(None, torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
                                             lora_dropout=0.0))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,7 +46,7 @@ def references(tmp_path_factory) -> dict:
     refs = {None: base.eval()}
     for seed, rank, targets in ADAPTERS:
         path = str(tmp_path_factory.mktemp(f"smollm2-lora{seed}"))
-        refs[LoRARequest(f"lora{seed}", seed, path)] = peft_adapter(path, seed, rank, targets)
+        refs[LoRARequest(f"lora{seed}", seed, path)] = peft_adapter(base, path, seed, rank, targets)
     return {"prompts": prompts, "refs": refs}
 
 
