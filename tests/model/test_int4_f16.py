@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import write_gguf
-from test_int4 import STEPS, logprob_error, random_q4, teacher_forced_logprobs
+from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, random_q4
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.hf_backend import load_hf_model
 from pagedllm.config import EngineConfig
 from pagedllm.model import kernels
 from pagedllm.model.layers import PackedWeight
@@ -190,17 +189,6 @@ def test_a_bf16_model_on_fp16_products_stays_as_close_to_fp32_as_transformers_bf
     monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_f16")
     llm = LLM(model=q4_gguf, dtype="bfloat16", kv_cache_memory="16MiB")
     assert llm.engine.runner.model.f16
-    fp32, _, _ = load_hf_model(q4_gguf, torch.float32)
-    bf16, _, _ = load_hf_model(q4_gguf, torch.bfloat16)
-    ours_err = hf_err = 0.0
-    for prompt in ([1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]):
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5),
-                           use_tqdm=False)[0].outputs[0]
-        ref = teacher_forced_logprobs(fp32, prompt, out)
-        ours_err = max(ours_err, logprob_error(out, ref))
-        hf_err = max(hf_err, logprob_error(out, ref, teacher_forced_logprobs(bf16, prompt, out)))
+    prompts = [[1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]]
+    assert_as_close_to_fp32_as_transformers_bf16(llm, q4_gguf, prompts)
     assert calls["n"] == 3 * STEPS * 2 * 4  # every step, every layer matmul
-    print(f"max top-5 logprob error vs fp32: ours {ours_err:.4f}, transformers bf16 {hf_err:.4f}")
-    assert ours_err <= 1.5 * hf_err + 0.05, (ours_err, hf_err)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
