@@ -13,6 +13,7 @@ from pagedllm.model.weight_forms import Int4Weight
 
 num, group, keep = (int(a) for a in (sys.argv[1:] + ["32", "32", "0"])[:3])  # keep: each row's largest |x| exact
 PER_CALL = os.environ.get("PER_CALL") == "1"  # ... or the call's `keep` channels of largest |x| over its rows
+ONLY_K = int(os.environ.get("ONLY_K", "0"))  # if set: only the matmuls of this many inputs take int8 activations
 
 
 def fake_q8(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +38,15 @@ rows = {}
 os.environ["PAGEDLLM_ATTENTION"] = "static"
 for name, kwargs, patch in (("bf16", dict(dtype="bfloat16", quantization="none"), False),
                             ("fp32 4-bit, exact", dict(dtype="float32", quantization="int4"), False),
-                            (f"fp32 4-bit, Q8 per {group}, {keep} kept{' per call' if PER_CALL else ''}",
+                            (f"fp32 4-bit, Q8 per {group}, {keep} kept{' per call' if PER_CALL else ''}"
+                             f"{f', K {ONLY_K} only' if ONLY_K else ''}",
                              dict(dtype="float32", quantization="int4"), True)):
     os.environ["PAGEDLLM_KERNEL"] = "int4" if kwargs["quantization"] == "int4" else "static"
     mm = Int4Weight.mm
     if patch:
-        Int4Weight.mm = lambda self, x, mm=mm: mm(self, fake_q8(x))
+        def quantised(self, x, mm=mm):
+            return mm(self, fake_q8(x) if ONLY_K in (0, x.shape[1]) else x)
+        Int4Weight.mm = quantised
     llm = LLM(None, kv_cache_memory="256MiB", **kwargs)
     rows[name] = accuracy.compare(reference, accuracy.first_steps(llm, prompts))
     Int4Weight.mm = mm
