@@ -38,8 +38,8 @@ PAD_ENV = "PAGEDLLM_PAD_ROWS"  # 1 / 0: bounded shapes on / off whatever the tab
 # 9: row counts timed coarse to fine, kernel_timing.py: a table cut short by its budget had the wrong crossover; 10:
 # the 4-bit weights with fp16 products, int4_f16; 11: the biggest row count's once-over checked against its neighbour
 # below, kernel_timing.check_in_line: a cached table had a stalled sample decide every batch past 724 rows; 12: int4_f16
-# in bf16 models too).
-KERNELS_VERSION = "12"
+# in bf16 models too; 13: the 4-bit weights against int8 activations, int4_q8).
+KERNELS_VERSION = "13"
 CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when it creates its first primitive
 ONEDNN_DEFAULT_CAPACITY = 1024  # oneDNN's own, where the variable is not set
 PADDED_CACHE_CAPACITY = 512  # oneDNN primitives: every padded row count (~70 per kind, fewer for the lm_head) x 5

@@ -106,7 +106,8 @@ class PackedWeight:
     def paths(self) -> frozenset[str]:
         """The forms this weight can run as (dispatch's path names)."""
         int4 = self.int4
-        forms = {"int4": int4 and int4.form, "int4_f16": int4 and int4.f16_scale, "bf16_gemm": self.bf16,
+        forms = {"int4": int4 and int4.form, "int4_f16": int4 and int4.f16_scale, "int4_q8": int4 and int4.q8 or None,
+                 "bf16_gemm": self.bf16,
                  "bf16_plain": self.plain}
         int8 = self.int8.forms() if self.int8 is not None else frozenset()
         onednn = frozenset({"onednn"}) if self.packed is not None else frozenset()
@@ -124,9 +125,9 @@ class PackedWeight:
         """Drop the forms no route uses (their memory; oneDNN's too: on a 1B model where the 4-bit kernel and
         bf16_gemm take every batch, 1.8 GB of RSS: docs/performance.md, the 1B section)."""
         self.packed = self.packed if "onednn" in paths else None
-        self.int4 = self.int4 if paths & {"int4", "int4_f16"} else None
+        self.int4 = self.int4 if paths & {"int4", "int4_f16", "int4_q8"} else None
         if self.int4 is not None:
-            self.int4.keep(own="int4" in paths, f16="int4_f16" in paths)
+            self.int4.keep(own="int4" in paths, f16="int4_f16" in paths, q8="int4_q8" in paths)
         self.bf16 = self.bf16 if "bf16_gemm" in paths else None
         self.plain = self.plain if "bf16_plain" in paths else None
         if self.int8 is not None:
@@ -148,7 +149,8 @@ class PackedWeight:
             return self.onednn_mm(x, bias)
         if path == "bf16_plain":
             return F.linear(x, self.plain, bias)
-        out = self.int4.mm(x) if path == "int4" else self.int4.mm_f16(x) if path == "int4_f16" else self.bf16.mm(x)
+        out = self.int4.mm(x) if path == "int4" else self.int4.mm_f16(x) if path == "int4_f16" else \
+            self.int4.mm_q8(x) if path == "int4_q8" else self.bf16.mm(x)
         return out if bias is None else out.add_(bias)
 
     def onednn_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

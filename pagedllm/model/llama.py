@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # logprob error from 1.17-1.26x plain bf16's to about 1x (`python docs/scripts/outlier_channels_gate.py`)
 LM_HEAD_OUTLIER_CHANNELS = 16
 INT8_FORMS = frozenset({"int8", "int8_mm"})  # dispatch's names of Int8Weight's products
-INT4_FORMS = frozenset({"int4", "int4_f16"})  # ... and of Int4Weight's (its fp32 or bf16 kernel; fp16 products)
+# ... and of Int4Weight's (its fp32 or bf16 kernel; fp16 products; int8 activations)
+INT4_FORMS = frozenset({"int4", "int4_f16", "int4_q8"})
 # each matmul kind of a decoder layer: its checkpoint weights, stacked by rows in this order
 MATMULS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
            "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -122,7 +123,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
                  int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None,
-                 f16: bool = False) -> None:
+                 approx: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -137,8 +138,10 @@ class LlamaModel:
         self.ext = kernels.load() if attention_backend != "reference" else None
         # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
         self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
-        # the 4-bit weights may also run with fp16 products (Int4Weight.mm_f16), where their kernel is built here
-        self.f16 = self.pack and f16 and Int4Weight.f16_available(dtype, self.ext)
+        # the 4-bit weights may also run with fp16 products (Int4Weight.mm_f16) or against int8 activations (mm_q8)
+        # where `approx` allows products that are not the dtype's own and their kernel is built here
+        self.f16 = self.pack and approx and Int4Weight.f16_available(dtype, self.ext)
+        self.q8 = self.pack and approx and Int4Weight.q8_available(dtype, self.ext)
         # the forms the cached kernel table's routes take (dispatch.planned_forms), if it was measured for these weights
         self.planned = planned if planned and self.pack and self._plan_fits(w, planned) else {}
         self.embed = w.keep("model.embed_tokens.weight")
@@ -221,7 +224,8 @@ class LlamaModel:
         outliers = LM_HEAD_OUTLIER_CHANNELS if kind == "lm_head" else 0
         int8 = Int8Weight(plain, self.ext, outliers=outliers, int_mm="int8_mm" in make) if make & INT8_FORMS else None
         bf16 = Bf16Weight(plain, self.ext) if "bf16_gemm" in make else None
-        int4 = Int4Weight(*q4, self.ext, self.dtype, f16="int4_f16" in make, own="int4" in make) \
+        int4 = Int4Weight(*q4, self.ext, self.dtype, f16="int4_f16" in make, own="int4" in make,
+                          q8="int4_q8" in make) \
             if make & INT4_FORMS else None
         weight = PackedWeight(plain, int4, int8, bf16, onednn="onednn" in make)
         weight.skipped = forms - weight.paths()
@@ -231,7 +235,8 @@ class LlamaModel:
         """dispatch's names of the forms a weight of this shape and kind can have here (its paths() when all are
         made; `int4`: it has 4-bit parts a kernel takes)."""
         f16 = int4 and self.f16 and Int4Weight.f16_available(self.dtype, self.ext, shape[0])
-        forms = {"onednn", *(["int4"] if int4 else []), *(["int4_f16"] if f16 else []),
+        q8 = int4 and self.q8 and Int4Weight.q8_available(self.dtype, self.ext, shape[0])
+        forms = {"onednn", *(["int4"] if int4 else []), *(["int4_f16"] if f16 else []), *(["int4_q8"] if q8 else []),
                  *(["bf16_plain"] if PackedWeight.widens(self.dtype) else [])}
         if kind in self.int8:
             forms |= Int8Weight.forms_for(self.ext, shape[1], int_mm=True)

@@ -70,10 +70,11 @@ def fp16_tiles(config: EngineConfig, dtype: torch.dtype) -> bool:
     return config.quantization == "auto" and dispatch.auto_fp32(config.dtype, dtype)
 
 
-def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
-    """The 4-bit weights may run with fp16 products (each lane's fp16 sum 32 products long) where fp16_tiles allows
-    them, and in a bf16 model with quantization left to the engine, whose own products round weights and activations
-    to bf16's 8 bits (fp16 keeps 11); the measured dispatch takes them where they are faster."""
+def approximate_products(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The 4-bit weights may run with fp16 products (each lane's fp16 sum 32 products long) or against int8
+    activations (per 32 inputs, each row's 4 largest exact) where fp16_tiles allows fp16 products, and in a bf16 model
+    with quantization left to the engine, whose own products round weights and activations to bf16's 8 bits; the
+    measured dispatch takes them where they are faster (both stay within the accuracy gate: docs/performance.md)."""
     return fp16_tiles(config, dtype) or (config.quantization == "auto" and dtype == torch.bfloat16)
 
 
@@ -152,7 +153,8 @@ class ModelRunner:
         # which form each batch size takes is the kernels line's (dispatch.tune), not a fixed cut-off
         logger.info("loaded %s (%s, %d matmuls with 4-bit weights%s, int8 allowed for: %s), %d KV blocks of %d "
                     "tokens (%s)", loaded.name, torch_dtype_name(config), model.num_int4_matmuls,
-                    " (fp16 products allowed)" if model.f16 else "",
+                    "".join(f" ({what} allowed)" for what, on in (("fp16 products", model.f16),
+                                                                   ("int8 activations", model.q8)) if on),
                     ", ".join(sorted(model.int8)) or "none",
                     num_blocks, config.block_size, "int8" if kv_dtype == torch.uint8 else kv_dtype)
         if config.enable_lora:
@@ -178,7 +180,7 @@ class ModelRunner:
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         planned = dispatch.planned_forms(dtype, loaded.name, variant)  # the forms the cached routes take, or None
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned,
-                      f16=fp16_products(config, dtype))
+                      approx=approximate_products(config, dtype))
         dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(attention_shape(config, loaded.config, dtype, kv_dtype))

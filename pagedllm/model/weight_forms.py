@@ -20,9 +20,11 @@ class Int4Weight:
     w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
     csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
     the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
-    (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long; not exact, so only where
-    `--dtype auto` chose fp32 or the model is bf16, and where dispatch measures it faster) on the fp32 kernel's layout:
-    an fp32 model's own nibbles, a second packing in a bf16 model (until a route leaves one unused: `keep`)."""
+    (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long), one with `q8`
+    csrc/int4_linear_q8.cpp (AVX512-VNNI: int8 activations per 32 inputs, each row's 4 largest kept exact, at 4x
+    fp32's multiply-adds per instruction); neither is exact, so only where `--dtype auto` chose fp32 or the model is
+    bf16, and where dispatch measures them faster. Both read the fp32 kernel's layout (`f32_layout`): an fp32 model's
+    own nibbles, a second packing in a bf16 model (until a route leaves one unused: `keep`)."""
 
     GROUP = 32
     TILE = 16  # output rows per tile (bf16 kernel)
@@ -30,20 +32,23 @@ class Int4Weight:
     BYTES_PER_WEIGHT = 0.5 + 2 * 2 / GROUP  # a nibble, plus an fp16 scale and min per group
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, ext: ModuleType,
-                 dtype: torch.dtype = torch.bfloat16, f16: bool = False, own: bool = True) -> None:
+                 dtype: torch.dtype = torch.bfloat16, f16: bool = False, own: bool = True, q8: bool = False
+                 ) -> None:
         """own: this dtype's kernel's form (a later start whose cached route takes only the fp16 one makes none);
-        f16: the fp16 products' form, where the kernel runs these weights here."""
+        f16, q8: the fp16 products', the int8 activations' form, where that kernel runs these weights here."""
         self.dtype = dtype
         self.ext = ext
         # the fp16 kernel's weight scale, if it runs here: the power of two that puts every |q * d + m| below 1
         f16 = f16 and self.f16_available(dtype, ext, q.shape[0])
         self.f16_scale = self.weight_scale(scale, min_) if f16 else None
-        # (nibbles, scales, mins) as this dtype's kernel takes them, and as the fp16 one does (an fp32 model's own);
-        # None where no route takes that kernel
-        form = self.packed_form(q, scale, min_, dtype) if own or (f16 and dtype == torch.float32) else None
+        self.q8 = q8 and self.q8_available(dtype, ext, q.shape[0])
+        layout = f16 or self.q8
+        # (nibbles, scales, mins) as this dtype's kernel takes them, and as the fp16 and q8 ones do (an fp32 model's
+        # own); None where no route takes that kernel
+        form = self.packed_form(q, scale, min_, dtype) if own or (layout and dtype == torch.float32) else None
         self.form: tuple[torch.Tensor, ...] | None = form if own else None
-        self.f16_form = (form if dtype == torch.float32 else self.packed_form(q, scale, min_, torch.float32)) \
-            if f16 else None
+        self.f32_layout = (form if dtype == torch.float32 else self.packed_form(q, scale, min_, torch.float32)) \
+            if layout else None
 
     @classmethod
     def packed_form(cls, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype
@@ -60,10 +65,20 @@ class Int4Weight:
         return (dtype in (torch.float32, torch.bfloat16) and rows % cls.F32_TILE == 0 and ext is not None
                 and ext.int4_linear_f16_supported())
 
-    def keep(self, own: bool, f16: bool) -> None:
-        """Drop the kernels' forms no route takes (own: this dtype's kernel; f16: the fp16 products')."""
+    @classmethod
+    def q8_available(cls, dtype: torch.dtype, ext: ModuleType | None, rows: int = F32_TILE) -> bool:
+        """int4_linear_q8 runs this model dtype's 4-bit weights of `rows` outputs here (a build with AVX512-VNNI and
+        AVX512-VBMI; whole tiles of the fp32 kernel's layout)."""
+        return (dtype in (torch.float32, torch.bfloat16) and rows % cls.F32_TILE == 0 and ext is not None
+                and ext.int4_linear_q8_supported())
+
+    def keep(self, own: bool, f16: bool, q8: bool = False) -> None:
+        """Drop the kernels' forms no route takes (own: this dtype's kernel; f16: the fp16 products'; q8: the int8
+        activations')."""
         self.form = self.form if own else None
-        self.f16_scale, self.f16_form = (self.f16_scale, self.f16_form) if f16 else (None, None)
+        self.f16_scale = self.f16_scale if f16 else None
+        self.q8 = self.q8 and q8
+        self.f32_layout = self.f32_layout if self.f16_scale is not None or self.q8 else None
 
     @staticmethod
     def weight_scale(scale: torch.Tensor, min_: torch.Tensor) -> float:
@@ -115,7 +130,11 @@ class Int4Weight:
 
     def mm_f16(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with fp16 products (int4_linear_f16.cpp), in x's dtype; only where f16_scale is set."""
-        return self.ext.int4_linear_f16(x.contiguous(), *self.f16_form, self.f16_scale)
+        return self.ext.int4_linear_f16(x.contiguous(), *self.f32_layout, self.f16_scale)
+
+    def mm_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T against int8 activations (int4_linear_q8.cpp), in x's dtype; only where q8 is set."""
+        return self.ext.int4_linear_q8(x.contiguous(), *self.f32_layout)
 
 
 def transposed(plain: torch.Tensor, rows: int = 256) -> torch.Tensor:

@@ -24,6 +24,9 @@ bool int4_linear_f32_supported();
 at::Tensor int4_linear_f16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins, double w_scale);
 bool int4_linear_f16_supported();
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& mins);
+bool int4_linear_q8_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                       const c10::optional<at::Tensor>& bias, at::Tensor& out, const c10::optional<at::Tensor>& extra_x,
@@ -62,6 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or bf16 (int4_linear_f32's layout; w_scale: the power of two that puts the weights below 1)", nogil);
   m.def("int4_linear_f16_supported", &int4_linear_f16_supported, "Whether this build has int4_linear_f16's "
         "instructions (AVX512-FP16)");
+  m.def("int4_linear_q8", &int4_linear_q8, "x @ W.T for 4-bit GGUF weights against int8 activations (per 32 inputs; "
+        "each row's 4 largest inputs exact), x and the output fp32 or bf16 (int4_linear_f32's layout)", nogil);
+  m.def("int4_linear_q8_supported", &int4_linear_q8_supported, "Whether this build has int4_linear_q8's "
+        "instructions (AVX512-VNNI, AVX512-VBMI)");
   namespace py = pybind11;
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 within +-qmax with its own scale (absmax / qmax)",
         py::arg("x"), py::arg("qmax") = 127, nogil);
