@@ -123,7 +123,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
                  int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None,
-                 approx: bool = False) -> None:
+                 f16: bool = False, q8: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -139,9 +139,9 @@ class LlamaModel:
         # the matmuls (of INT8_MATMULS) that run w8a8 in the steps the int4 kernel leaves
         self.int8 = frozenset(int8) if self.pack and self.ext is not None else frozenset()
         # the 4-bit weights may also run with fp16 products (Int4Weight.mm_f16) or against int8 activations (mm_q8)
-        # where `approx` allows products that are not the dtype's own and their kernel is built here
-        self.f16 = self.pack and approx and Int4Weight.f16_available(dtype, self.ext)
-        self.q8 = self.pack and approx and Int4Weight.q8_available(dtype, self.ext)
+        # where the engine allows them (f16, q8) and their kernel is built here
+        self.f16 = self.pack and f16 and Int4Weight.f16_available(dtype, self.ext)
+        self.q8 = self.pack and q8 and Int4Weight.q8_available(dtype, self.ext)
         # the forms the cached kernel table's routes take (dispatch.planned_forms), if it was measured for these weights
         self.planned = planned if planned and self.pack and self._plan_fits(w, planned) else {}
         self.embed = w.keep("model.embed_tokens.weight")

@@ -70,12 +70,19 @@ def fp16_tiles(config: EngineConfig, dtype: torch.dtype) -> bool:
     return config.quantization == "auto" and dispatch.auto_fp32(config.dtype, dtype)
 
 
-def approximate_products(config: EngineConfig, dtype: torch.dtype) -> bool:
-    """The 4-bit weights may run with fp16 products (each lane's fp16 sum 32 products long) or against int8
-    activations (per 32 inputs, each row's 4 largest exact) where fp16_tiles allows fp16 products, and in a bf16 model
-    with quantization left to the engine, whose own products round weights and activations to bf16's 8 bits; the
-    measured dispatch takes them where they are faster (both stay within the accuracy gate: docs/performance.md)."""
+def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The 4-bit weights may run with fp16 products (each lane's fp16 sum 32 products long) where fp16_tiles allows
+    them, and in a bf16 model with quantization left to the engine, whose own products round weights and activations
+    to bf16's 8 bits (fp16 keeps 11); the measured dispatch takes them where they are faster."""
     return fp16_tiles(config, dtype) or (config.quantization == "auto" and dtype == torch.bfloat16)
+
+
+def int8_activations(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """The 4-bit weights may run against int8 activations (per 32 inputs, each row's 4 largest exact) where
+    `--dtype auto` chose fp32 and quantization is left to the engine: 0.85x plain bf16's error at the accuracy gate.
+    In a bf16 model their error adds to bf16's own rounding, 1.11-1.39x plain bf16's: at the gate's edge, so not
+    there (docs/performance-log.md, 2026-12-01)."""
+    return fp16_tiles(config, dtype)
 
 
 def attention_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype
@@ -180,7 +187,7 @@ class ModelRunner:
         build = model_class(loaded.config.architecture)  # the family's class, as the registry maps the checkpoint
         planned = dispatch.planned_forms(dtype, loaded.name, variant)  # the forms the cached routes take, or None
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned,
-                      approx=approximate_products(config, dtype))
+                      f16=fp16_products(config, dtype), q8=int8_activations(config, dtype))
         dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(attention_shape(config, loaded.config, dtype, kv_dtype))

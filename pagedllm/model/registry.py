@@ -49,7 +49,7 @@ class CausalLM(Protocol):
     ext: ModuleType | None  # the C++ kernels; None on the reference path (then top_logits is not called)
     int8: frozenset[str]  # the matmuls that run w8a8 in large steps
     f16: bool  # the 4-bit weights may also run with fp16 products (AVX512-FP16; `--dtype auto`'s fp32, or bf16)
-    q8: bool  # ... or against int8 activations (AVX512-VNNI), where f16's products are allowed
+    q8: bool  # ... or against int8 activations (AVX512-VNNI; `--dtype auto`'s fp32)
     lora: LoRAStack | None  # the resident LoRA adapters (the runner sets it with enable_lora)
     attention_route: AttentionRoute  # which attention kernel each sequence takes (the runner sets the measured one)
 
@@ -72,7 +72,7 @@ class CausalLMClass(Protocol):
     def __call__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attention_backend: str = "auto", q4_weights: dict[str, Q4Weight] | None = None,
                  int8: Collection[str] = (), planned: Mapping[str, PlannedForms] | None = None,
-                 approx: bool = False) -> CausalLM: ...
+                 f16: bool = False, q8: bool = False) -> CausalLM: ...
 
 
 def unsupported(found: object, source: str, supported: Collection[str] = SUPPORTED_ARCHITECTURES,

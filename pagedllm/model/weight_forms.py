@@ -22,9 +22,10 @@ class Int4Weight:
     the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
     (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long), one with `q8`
     csrc/int4_linear_q8.cpp (AVX512-VNNI: int8 activations per 32 inputs, each row's 4 largest kept exact, at 4x
-    fp32's multiply-adds per instruction); neither is exact, so only where `--dtype auto` chose fp32 or the model is
-    bf16, and where dispatch measures them faster. Both read the fp32 kernel's layout (`f32_layout`): an fp32 model's
-    own nibbles, a second packing in a bf16 model (until a route leaves one unused: `keep`)."""
+    fp32's multiply-adds per instruction); neither is exact, so only where `--dtype auto` chose fp32 (or the model is
+    bf16: fp16 products only), and where dispatch measures them faster. Both read the fp32 kernel's layout
+    (`f32_layout`): an fp32 model's own nibbles, a second packing in a bf16 model (until a route leaves one unused:
+    `keep`)."""
 
     GROUP = 32
     TILE = 16  # output rows per tile (bf16 kernel)

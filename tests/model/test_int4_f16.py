@@ -13,7 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.model import kernels
 from pagedllm.model.layers import PackedWeight
-from pagedllm.model.model_runner import approximate_products, fp16_tiles
+from pagedllm.model.model_runner import fp16_products, fp16_tiles
 from pagedllm.model.weight_forms import Int4Weight
 
 
@@ -126,18 +126,18 @@ def test_a_bf16_weight_keeps_only_the_forms_its_route_takes():
     assert not Int4Weight.f16_available(torch.bfloat16, ext, 96)  # not whole tiles of 64 outputs
 
 
-def test_approximate_products_where_dtype_auto_chose_fp32_or_the_model_is_bf16(monkeypatch):
+def test_fp16_products_where_dtype_auto_chose_fp32_or_the_model_is_bf16(monkeypatch):
     """An explicit float32 stays exact; a bf16 model's 4-bit weights may take them (its own kernel rounds to bf16),
     its attention keeps its forms; quantization none or w8a8 keeps them out."""
-    assert approximate_products(EngineConfig(dtype="auto"), torch.float32) and fp16_tiles(EngineConfig(), torch.float32)
-    assert not approximate_products(EngineConfig(dtype="float32"), torch.float32)
+    assert fp16_products(EngineConfig(dtype="auto"), torch.float32) and fp16_tiles(EngineConfig(), torch.float32)
+    assert not fp16_products(EngineConfig(dtype="float32"), torch.float32)
     assert not fp16_tiles(EngineConfig(dtype="float32"), torch.float32)
     for dtype in ("auto", "bfloat16"):
-        assert approximate_products(EngineConfig(dtype=dtype), torch.bfloat16)
+        assert fp16_products(EngineConfig(dtype=dtype), torch.bfloat16)
         assert not fp16_tiles(EngineConfig(dtype=dtype), torch.bfloat16)
     for quantization in ("none", "w8a8", "int4"):
         for dtype in (torch.float32, torch.bfloat16):
-            assert not approximate_products(EngineConfig(dtype="auto", quantization=quantization), dtype)
+            assert not fp16_products(EngineConfig(dtype="auto", quantization=quantization), dtype)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The 4-bit weights against int8 activations (csrc/int4_linear_q8.cpp, AVX512-VNNI): the product of the weights
 with each row's activations rounded to int8 per group of 32 (its 4 largest kept exact), each row's sums its own, bf16
-rows through the same sums, and a model forced onto it staying as close to fp32 as transformers' bf16."""
+rows through the same sums, taken only where `--dtype auto` chose fp32, and a model forced onto it staying as close to
+fp32 as transformers' bf16."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, rando
 from test_int4_f16 import dequantized, relative_error
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
 from pagedllm.model import kernels
 from pagedllm.model.layers import PackedWeight
+from pagedllm.model.model_runner import int8_activations
 from pagedllm.model.weight_forms import Int4Weight
 
 KEPT = 4  # inputs each row keeps exact
@@ -133,39 +136,42 @@ def q4_gguf(tiny_model_dir, tmp_path_factory) -> str:
     return write_gguf(tiny_model_dir, str(tmp_path_factory.mktemp("q4q8") / "tiny-q4_1.gguf"), quant="Q4_1")
 
 
-def counting_q8(monkeypatch, dtype: torch.dtype) -> dict[str, int]:
+def test_int8_activations_only_where_dtype_auto_chose_fp32():
+    """An explicit float32 stays exact; in a bf16 model their error adds to bf16's own (1.11-1.39x plain bf16's at the
+    gate: its edge), so not there; quantization none, int4 or w8a8 keeps them out."""
+    assert int8_activations(EngineConfig(dtype="auto"), torch.float32)
+    assert not int8_activations(EngineConfig(dtype="float32"), torch.float32)
+    for dtype in ("auto", "bfloat16"):
+        assert not int8_activations(EngineConfig(dtype=dtype), torch.bfloat16)
+    for quantization in ("none", "w8a8", "int4"):
+        assert not int8_activations(EngineConfig(dtype="auto", quantization=quantization), torch.float32)
+
+
+def test_a_model_forced_onto_int8_activations_stays_as_close_to_fp32_as_transformers_bf16(q4_gguf, monkeypatch):
+    """With `--dtype auto` choosing fp32, every layer matmul forced onto the int8-activation form runs it, and the
+    logprobs stay as close to transformers' fp32 run of the dequantized weights as transformers' own bf16 run does;
+    every block comes back. An explicit float32 and a bf16 model keep their own kernels."""
+    q8_kernel()
+    from pagedllm.model import bf16_choice
+    monkeypatch.setattr(bf16_choice, "bf16_pays", lambda *a, **k: False)  # auto -> fp32
     calls = {"n": 0}
     mm_q8 = Int4Weight.mm_q8
 
     def counting(self, x):
-        assert x.dtype == dtype
+        assert x.dtype == torch.float32
         calls["n"] += 1
         return mm_q8(self, x)
 
     monkeypatch.setattr(Int4Weight, "mm_q8", counting)
-    return calls
-
-
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
-def test_a_model_forced_onto_int8_activations_stays_as_close_to_fp32_as_transformers_bf16(q4_gguf, monkeypatch,
-                                                                                          dtype):
-    """With `--dtype auto` choosing fp32 (or a bf16 model), every layer matmul forced onto the int8-activation form
-    runs it, and the logprobs stay as close to transformers' fp32 run of the dequantized weights as transformers' own
-    bf16 run does; every block comes back. An explicit float32 keeps the exact kernel."""
-    q8_kernel()
-    from pagedllm.model import bf16_choice
-    monkeypatch.setattr(bf16_choice, "bf16_pays", lambda *a, **k: False)  # auto -> fp32
-    if dtype == "bfloat16" and not PackedWeight.native(torch.bfloat16):
-        pytest.skip("no native bf16 matmul on this CPU")
-    calls = counting_q8(monkeypatch, torch.float32 if dtype == "auto" else torch.bfloat16)
     monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_q8")
-    llm = LLM(model=q4_gguf, dtype=dtype, kv_cache_memory="16MiB")
+    llm = LLM(model=q4_gguf, dtype="auto", kv_cache_memory="16MiB")
     assert llm.engine.runner.model.q8
     prompts = [[1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]]
     assert_as_close_to_fp32_as_transformers_bf16(llm, q4_gguf, prompts)
     assert calls["n"] == 3 * STEPS * 2 * 4  # every step, every layer matmul
-    exact = LLM(model=q4_gguf, dtype="float32", kv_cache_memory="16MiB")
-    assert not exact.engine.runner.model.q8
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    exact.generate(prompts[:1], params, use_tqdm=False)
+    for dtype in ("float32", "bfloat16"):
+        other = LLM(model=q4_gguf, dtype=dtype, kv_cache_memory="16MiB")
+        assert not other.engine.runner.model.q8
+        other.generate(prompts[:1], params, use_tqdm=False)
     assert calls["n"] == 3 * STEPS * 2 * 4

@@ -18,10 +18,10 @@ from pagedllm.model import bf16_choice, dispatch, kernel_timing, kernels, machin
 from pagedllm.model.loader import Q4Weight
 from pagedllm.model.model_runner import kernel_variant
 
-# the 4-bit kernel wins every row count it can take (its fp16 products, where they run, second), then int8, then
-# oneDNN: a weight with a 4-bit form routes all its rows there, the lm_head (plain in the file) to int8
-PER_ROW = {"int4": 1.0, "int4_f16": 1.5, "int8": 2.0, "int8_mm": 3.0, "bf16_gemm": 4.0, "bf16_plain": 6.0,
-           "onednn": 5.0}
+# the 4-bit kernel wins every row count it can take (its fp16 products and int8 activations, where they run, second),
+# then int8, then oneDNN: a weight with a 4-bit form routes all its rows there, the lm_head (plain in the file) to int8
+PER_ROW = {"int4": 1.0, "int4_f16": 1.5, "int4_q8": 1.6, "int8": 2.0, "int8_mm": 3.0, "bf16_gemm": 4.0,
+           "bf16_plain": 6.0, "onednn": 5.0}
 
 
 def fake_timer(kind: str, path: str, rows: int, run) -> float:
