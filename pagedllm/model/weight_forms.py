@@ -68,9 +68,10 @@ class Int4Weight:
 
     @classmethod
     def q8_available(cls, dtype: torch.dtype, ext: ModuleType | None, rows: int = F32_TILE) -> bool:
-        """int4_linear_q8 runs this model dtype's 4-bit weights of `rows` outputs here (a build with AVX512-VNNI and
+        """int4_linear_q8 runs this model dtype's 4-bit weights of `rows` outputs here (an fp32 model: in bf16 its
+        error sits at the accuracy gate's edge, model_runner.int8_activations; a build with AVX512-VNNI and
         AVX512-VBMI; whole tiles of the fp32 kernel's layout)."""
-        return (dtype in (torch.float32, torch.bfloat16) and rows % cls.F32_TILE == 0 and ext is not None
+        return (dtype == torch.float32 and rows % cls.F32_TILE == 0 and ext is not None
                 and ext.int4_linear_q8_supported())
 
     def keep(self, own: bool, f16: bool, q8: bool = False) -> None:

@@ -8,11 +8,14 @@
 // sum_k xq: the int8 sums are exact, so this is the product of the weights with the activations rounded to the int8
 // grid, as a fake-quantised fp32 matmul gives it. The kept inputs add x * fma(q, d, m), the fp32 kernel's exact
 // weight. A row's sums depend on that row alone (batch-invariant). A row with inf or NaN gives NaN outputs.
-// Accuracy (docs/performance-log.md, 2026-12-01): on the default model, the top-5 logprob error 0.80x plain bf16's.
+// Accuracy (docs/performance-log.md, 2026-12-01): in fp32 arithmetic 0.71-0.85x plain bf16's top-5 logprob error on
+// the default model; in a bf16 model, whose own rounding it adds to, 1.11-1.39x (the gate's edge): the engine runs it
+// in fp32 models only (model_runner.int8_activations).
 //
 // Schedule (int4_linear_f16.cpp's): the threads share half tiles of 32 output columns; each half's nibbles are
 // unpacked once per call into bytes in vpdpbusd's order (a per-thread buffer the L1/L2 holds), then blocks of
-// kBlockRows rows run kBlockRows x V int32 sums over one group of 32 inputs at a time, folded into fp32 sums in L1.
+// kBlockRows rows run kBlockRows x V int32 sums over one group of 32 inputs at a time, folded into fp32 sums, all in
+// registers; rows pass in chunks whose int8 activations the L2 holds.
 // Layout: int4_linear_f32.cpp's (Int4Weight.pack_f32).
 
 #include <ATen/core/Tensor.h>
