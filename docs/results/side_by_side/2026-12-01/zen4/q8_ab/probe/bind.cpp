@@ -1,0 +1,4 @@
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("q8", &int4_linear_q8); }
