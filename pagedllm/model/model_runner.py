@@ -79,7 +79,8 @@ def fp16_products(config: EngineConfig, dtype: torch.dtype) -> bool:
 
 def int8_activations(config: EngineConfig, dtype: torch.dtype) -> bool:
     """The 4-bit weights may run against int8 activations (per 32 inputs, each row's 4 largest exact) where
-    `--dtype auto` chose fp32 and quantization is left to the engine: 0.85x plain bf16's error at the accuracy gate.
+    `--dtype auto` chose fp32 and quantization is left to the engine: 0.71-0.85x plain bf16's error at the accuracy
+    gate.
     In a bf16 model their error adds to bf16's own rounding, 1.11-1.39x plain bf16's: at the gate's edge, so not
     there (docs/performance-log.md, 2026-12-01)."""
     return fp16_tiles(config, dtype)

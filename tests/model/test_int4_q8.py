@@ -100,19 +100,26 @@ def test_bf16_rows_give_the_fp32_rows_sums_rounded_to_bf16(n, k):
 
 
 def test_rows_of_zeros_inf_or_tiny_values():
-    """A row of zeros gives zeros, one with inf NaN (and no other row changes), subnormal rows stay finite."""
+    """A row of zeros gives zeros, one with inf NaN (and no other row changes); rows of tiny values, down to fp32's
+    subnormals (where 127 / amax would overflow), as close to the exact product as ordinary ones."""
     ext = q8_kernel()
     q, scale, min_ = random_q4(64, 64, True, 3)
+    w = dequantized(q, scale, min_)
     weight = Int4Weight(q, scale, min_, ext, torch.float32, q8=True)
-    x = torch.randn(5, 64)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4))
     x[1] = 0
     x[2, 5] = float("inf")
     x[4] *= 1e-40
+    x[5] *= 1e-35
+    x[6] *= 1e-25
     out = weight.mm_q8(x)
     assert torch.equal(out[1], torch.zeros(64))
     assert out[2].isnan().all()
-    assert torch.isfinite(out[[0, 1, 3, 4]]).all()
+    assert torch.isfinite(out[[0, 1, 3, 4, 5, 6]]).all()
     assert torch.equal(out[[0, 3]], weight.mm_q8(x[[0, 3]].clone()))
+    ordinary = relative_error(out[[0, 3]], x[[0, 3]].double() @ w.T)
+    for r in (4, 5, 6):
+        assert relative_error(out[r], x[r].double() @ w.T) < 2 * ordinary, r
 
 
 def test_a_weight_keeps_only_the_forms_its_route_takes():

@@ -118,18 +118,29 @@ void keep_largest(float* work, int64_t K, __m512 lanes, int32_t* cand, Kept& kep
 }
 
 // Row x (K inputs) into int8 per group (xq), each group's scale s and s * sum(xq) (scale, qsum), its kOutliers
-// inputs of largest magnitude kept out (kept). A row with inf or NaN gets NaN scales (its outputs NaN) and xq 0.
-// work: room for 2K + 16 floats.
+// inputs of largest magnitude kept out (kept). A row with inf or NaN gets NaN scales (its outputs NaN) and xq 0; a
+// row of tiny values (below 2^-100, where 127 / amax would overflow) is quantised times a power of two, whose inverse
+// (down) the sums are multiplied by at the end: its scales in the scaled units keep their bits. work: room for 2K + 16
+// floats.
 template <typename T>
-void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, float* qsum, Kept& kept) {
+void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, float* qsum, Kept& kept,
+                  float& down) {
   __m512 bad = _mm512_setzero_ps(), lanes = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     const __m512 v = load(x + k, 0xFFFF);
     bad = _mm512_or_ps(bad, _mm512_sub_ps(v, v));  // 0 for finite values, NaN otherwise
     lanes = _mm512_max_ps(lanes, _mm512_abs_ps(v));
-    _mm512_storeu_ps(work + k, v);
   }
+  const float largest = _mm512_reduce_max_ps(lanes);
+  int e = 0;
+  std::frexp(largest, &e);
+  // exact both ways: the scaled values are normal, and the kept ones divide back to themselves
+  const float up = largest > 0 && largest < 0x1p-100f ? std::ldexp(1.0f, std::min(-e, 126)) : 1.0f;
+  for (int64_t k = 0; k < K; k += 16)
+    _mm512_storeu_ps(work + k, _mm512_mul_ps(load(x + k, 0xFFFF), _mm512_set1_ps(up)));
+  lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(up));
   const int64_t G = K / kGroup;
+  down = 1.0f;
   if (_mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q)) {
     std::memset(xq, 0, K);
     std::fill(scale, scale + G, std::nanf(""));
@@ -138,6 +149,8 @@ void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, 
     return;
   }
   keep_largest(work, K, lanes, reinterpret_cast<int32_t*>(work + K), kept);
+  for (float& v : kept.value) v /= up;
+  down = 1.0f / up;
   for (int64_t g = 0; g < G; ++g) {
     const __m512 a = _mm512_loadu_ps(work + g * kGroup), b = _mm512_loadu_ps(work + g * kGroup + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -156,6 +169,7 @@ struct Rows {
   const float* scale;  // [M, G]
   const float* qsum;   // [M, G]
   const Kept* kept;    // [M]
+  const float* down;   // [M]: what the sums are multiplied by (1 but for rows of tiny values)
 };
 
 // R rows x V vectors of 16 columns (4: a tile, 2: a half) from the unpacked half tiles `w` and their d and m `dm`:
@@ -206,6 +220,10 @@ void block_rows(const uint8_t* w, const float* dm, const Rows& x, int64_t r0, in
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const Kept& kept = x.kept[r0 + r];
+    if (x.down[r0 + r] != 1.0f) {
+#pragma GCC unroll 4
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(x.down[r0 + r]));
+    }
     for (int e = 0; e < kOutliers; ++e) {
       if (kept.value[e] == 0.0f) continue;
       const int64_t g = kept.index[e] / kGroup, k = kept.index[e] % kGroup;
@@ -241,21 +259,24 @@ void multiply(const T* xp, const uint8_t* pk, const at::Half* sc, const at::Half
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> scale_buf, qsum_buf;
   thread_local std::vector<Kept> kept_buf;
+  thread_local std::vector<float> down_buf;
   xq_buf.resize(M * K);
   scale_buf.resize(M * G);
   qsum_buf.resize(M * G);
   kept_buf.resize(M);
+  down_buf.resize(M);
   // this thread's buffers, named before the workers (whose own thread_local ones they are not) fill them
   int8_t* xq = xq_buf.data();
   float *scale = scale_buf.data(), *qsum = qsum_buf.data();
   Kept* kept = kept_buf.data();
+  float* down = down_buf.data();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> work;
     work.resize(2 * K + 16);
     for (int64_t r = r0; r < r1; ++r)
-      quantize_row(xp + r * K, K, work.data(), xq + r * K, scale + r * G, qsum + r * G, kept[r]);
+      quantize_row(xp + r * K, K, work.data(), xq + r * K, scale + r * G, qsum + r * G, kept[r], down[r]);
   });
-  const Rows rows{xq, scale, qsum, kept};
+  const Rows rows{xq, scale, qsum, kept, down};
   at::parallel_for(0, 2 * tiles, 1, [&](int64_t i0, int64_t i1) {
     // per thread, reused (a fresh buffer could fault its pages each call): the bytes, then d and m in fp32
     thread_local std::vector<uint8_t> panel;
