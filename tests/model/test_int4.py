@@ -100,6 +100,20 @@ def test_single_stream_on_4bit_weights_stays_close_to_transformers(q4_gguf, monk
     assert calls["int4"] == 3 * STEPS * 2 * 4  # every step, every layer matmul
 
 
+def count_calls(monkeypatch, method: str, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Int4Weight.<method> wrapped to count its calls (in "n"), checking the rows' dtype where one is given."""
+    calls = {"n": 0}
+    original = getattr(Int4Weight, method)
+
+    def counting(self, x):
+        assert dtype is None or x.dtype == dtype
+        calls["n"] += 1
+        return original(self, x)
+
+    monkeypatch.setattr(Int4Weight, method, counting)
+    return calls
+
+
 def f32_kernel():
     ext = kernels.load()
     if not Int4Weight.kernel_available(torch.float32, ext):

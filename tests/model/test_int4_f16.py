@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import write_gguf
-from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, random_q4
+from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, count_calls, random_q4
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -151,14 +151,7 @@ def test_a_model_forced_onto_fp16_products_runs_them_and_keeps_fp32s_tokens(q4_g
     f16_kernel()
     from pagedllm.model import bf16_choice
     monkeypatch.setattr(bf16_choice, "bf16_pays", lambda *a, **k: False)  # auto -> fp32, as on this kind
-    calls = {"n": 0}
-    mm_f16 = Int4Weight.mm_f16
-
-    def counting(self, x):
-        calls["n"] += 1
-        return mm_f16(self, x)
-
-    monkeypatch.setattr(Int4Weight, "mm_f16", counting)
+    calls = count_calls(monkeypatch, "mm_f16")
     prompts = [[1, 2000, 3000], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40000]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_f16")
@@ -178,15 +171,7 @@ def test_a_bf16_model_on_fp16_products_stays_as_close_to_fp32_as_transformers_bf
     f16_kernel()
     if not PackedWeight.native(torch.bfloat16):
         pytest.skip("no native bf16 matmul on this CPU")
-    calls = {"n": 0}
-    mm_f16 = Int4Weight.mm_f16
-
-    def counting(self, x):
-        assert x.dtype == torch.bfloat16
-        calls["n"] += 1
-        return mm_f16(self, x)
-
-    monkeypatch.setattr(Int4Weight, "mm_f16", counting)
+    calls = count_calls(monkeypatch, "mm_f16", torch.bfloat16)
     monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_f16")
     llm = LLM(model=q4_gguf, dtype="bfloat16", kv_cache_memory="16MiB")
     assert llm.engine.runner.model.f16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import write_gguf
-from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, random_q4
+from test_int4 import STEPS, assert_as_close_to_fp32_as_transformers_bf16, count_calls, random_q4
 from test_int4_f16 import dequantized, relative_error
 
 from pagedllm import LLM, SamplingParams
@@ -162,15 +162,7 @@ def test_a_model_forced_onto_int8_activations_stays_as_close_to_fp32_as_transfor
     q8_kernel()
     from pagedllm.model import bf16_choice
     monkeypatch.setattr(bf16_choice, "bf16_pays", lambda *a, **k: False)  # auto -> fp32
-    calls = {"n": 0}
-    mm_q8 = Int4Weight.mm_q8
-
-    def counting(self, x):
-        assert x.dtype == torch.float32
-        calls["n"] += 1
-        return mm_q8(self, x)
-
-    monkeypatch.setattr(Int4Weight, "mm_q8", counting)
+    calls = count_calls(monkeypatch, "mm_q8", torch.float32)
     monkeypatch.setenv("PAGEDLLM_KERNEL", "int4_q8")
     llm = LLM(model=q4_gguf, dtype="auto", kv_cache_memory="16MiB")
     assert llm.engine.runner.model.q8
