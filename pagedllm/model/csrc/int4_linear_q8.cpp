@@ -132,10 +132,10 @@ void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, 
     lanes = _mm512_max_ps(lanes, _mm512_abs_ps(v));
   }
   const float largest = _mm512_reduce_max_ps(lanes);
-  int e = 0;
-  std::frexp(largest, &e);
+  int exponent = 0;
+  std::frexp(largest, &exponent);
   // exact both ways: the scaled values are normal, and the kept ones divide back to themselves
-  const float up = largest > 0 && largest < 0x1p-100f ? std::ldexp(1.0f, std::min(-e, 126)) : 1.0f;
+  const float up = largest > 0 && largest < 0x1p-100f ? std::ldexp(1.0f, std::min(-exponent, 126)) : 1.0f;
   for (int64_t k = 0; k < K; k += 16)
     _mm512_storeu_ps(work + k, _mm512_mul_ps(load(x + k, 0xFFFF), _mm512_set1_ps(up)));
   lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(up));
@@ -154,11 +154,12 @@ void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, 
   for (int64_t g = 0; g < G; ++g) {
     const __m512 a = _mm512_loadu_ps(work + g * kGroup), b = _mm512_loadu_ps(work + g * kGroup + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    // a group below 2^-120 (127 / amax would overflow) is at most 2^-20 of the row's largest: left out as zeros
+    const __m512 inv = _mm512_set1_ps(amax >= 0x1p-120f ? 127.0f / amax : 0.0f);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup), _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
-    scale[g] = amax / 127.0f;
+    scale[g] = amax >= 0x1p-120f ? amax / 127.0f : 0.0f;
     qsum[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
   }
 }
