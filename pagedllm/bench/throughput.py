@@ -4,10 +4,12 @@ once (or the same workload on Hugging Face transformers with --backend hf)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import time
 
+from pagedllm.bench.breakdown import BreakdownRecorder, print_breakdown
 from pagedllm.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -42,8 +44,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         trace = TraceRecorder(llm.engine, args.trace, every=args.trace_every, kv_policy=config.kv_policy,
                               batching=config.batching, dataset=args.dataset, num_prompts=len(requests))
         llm.engine.add_step_observer(trace)
+    recorder = BreakdownRecorder(llm.engine) if args.breakdown else contextlib.nullcontext()
     start = time.perf_counter()
-    n_out = run_workload(llm, requests)
+    with recorder:
+        n_out = run_workload(llm, requests)
     if trace is not None:
         trace.close()
         llm.engine.remove_step_observer(trace)
@@ -72,6 +76,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "peak_num_running": stats.peak_num_running,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
+    if args.breakdown:
+        result["breakdown"] = recorder.result.as_dict()
+        print_breakdown(recorder.result)
     return report_throughput(args, result)
 
 
@@ -101,6 +108,8 @@ def hf_throughput(args: argparse.Namespace, config) -> int:
     from pagedllm.bench.hf_backend import ENGINE_OPTIONS, run_hf
     from pagedllm.model.loader import load_tokenizer
 
+    if args.breakdown:
+        raise ValueError("--breakdown times pagedllm's own steps; it does not apply to --backend hf")
     requests = workload_requests(args, load_tokenizer(config.model), config.max_model_len)
     if any(r.n > 1 or r.beam_width for r in requests):
         raise ValueError("--backend hf runs single-sample greedy requests only (not parallel sampling or beam search)")
@@ -178,6 +187,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     '({"prompt_token_ids", "output_len"}), to run the same requests on another engine')
     tp.add_argument("--trace", default=None, metavar="PATH", help="record the KV cache (snapshots of the block pool, "
                     "block tables, events) as JSONL, for `pagedllm replay PATH`")
+    tp.add_argument("--breakdown", action="store_true", help="time the run by part of the step (matmuls, attention, "
+                    "lm_head, scheduling, ...) and by step size, and print both (the timers slow the run a little)")
     tp.add_argument("--trace-every", type=int, default=8, metavar="K", help="--trace: a snapshot every K steps")
     EngineConfig.add_cli_args(tp)
     add_hf_args(tp)

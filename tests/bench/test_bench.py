@@ -126,3 +126,24 @@ def test_throughput_rejects_a_bad_dataset_file(tiny_model_dir, tmp_path, capsys)
     assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-blocks", "64", "--dataset", "file",
                  "--dataset-path", str(bad)]) == 2
     assert "line 1: not valid JSON" in capsys.readouterr().err
+
+
+def test_throughput_breakdown_accounts_for_every_step_and_second(tiny_model_dir, tmp_path, capsys):
+    """--breakdown: the parts (the step timers' plus "other") add up to the run's wall time, the size classes hold every
+    step and every row the scheduler ran (a prompt-sized class and a decode-sized one here), and both tables print."""
+    result = run_throughput(tiny_model_dir, tmp_path, "--num-prompts", "4", "--input-len", "40", "--output-len", "6",
+                            "--max-num-batched-tokens", "64", "--num-speculative-tokens", "0", "--breakdown")
+    b = result["breakdown"]
+    parts = b["parts_s"]
+    assert abs(sum(parts.values()) - b["elapsed_s"]) < 0.01 and parts["linear"] > 0 and parts["attention"] > 0
+    classes = {c["rows_up_to"]: c for c in b["by_rows"]}
+    assert all(c["rows"] <= c["rows_up_to"] * c["steps"] and c["rows"] > c["rows_up_to"] // 2 * c["steps"]
+               for c in classes.values())
+    # 160 prompt tokens in steps of at most 64 rows, then 5 decode steps of 4 rows (the first token: with the prompt)
+    assert sum(c["rows"] for c in classes.values()) == 4 * 40 + 4 * 5
+    assert max(classes) == 64 and 4 in classes and sum(c["steps"] for c in classes.values()) >= 3 + 5
+    assert sum(c["seconds"] for c in classes.values()) <= b["elapsed_s"] + 0.01
+    out = capsys.readouterr().out
+    assert "Where the time went" in out and "| rows a step computed, up to |" in out
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--backend", "hf", "--breakdown"]) != 0
+    assert "does not apply to --backend hf" in capsys.readouterr().err
