@@ -2,8 +2,8 @@
 # What docs/performance.md keeps per CPU kind, in one folder, for a machine of a kind not measured before: the machine
 # (`lscpu`, load), the kernel and attention tables (`pagedllm bench kernels`), pagedllm against vLLM's CPU build
 # offline and through the servers at 64 clients (the 200 ShareGPT-like requests) and on long prompts (32 x 1,900
-# tokens), and the defaults against pagedllm's own flags. Each part alternates ROUNDS times; run nothing else meanwhile
-# (about 40 minutes at ROUNDS=2 on 2 vCPUs).
+# tokens), the defaults against pagedllm's own flags, and where each run's time goes (`--breakdown`). Each part
+# alternates ROUNDS times; run nothing else meanwhile (about 42 minutes at ROUNDS=2 on 2 vCPUs).
 # usage: docs/scripts/measure_kind.sh VLLM_PYTHON VLLM_MODEL_DIR OUT_DIR [ROUNDS]
 #   vLLM set up as docs/performance.md#reproduce says. WORKLOAD=FILE and LONG=FILE use those workloads instead of
 #   writing them (the scripts' own: `--dataset sharegpt --num-prompts 200 --seed 0`; 1,900 random prompt tokens,
@@ -35,7 +35,19 @@ fi
 "$here/flag_matrix.sh" "$workload" "$out/flags" "$rounds" 'defaults|-|' 'static|PAGEDLLM_KERNEL=static|' \
     'attention_static|PAGEDLLM_ATTENTION=static|' 'none|-|--quantization none'
 
+# where each run's time goes on this kind (the step timers on: not a throughput figure)
+mkdir -p "$out/breakdown"
+for part in offline long; do
+    requests=$(wc -l < "$out/$part/workload.jsonl")  # a file's requests, each once
+    pagedllm bench throughput --dataset file --dataset-path "$out/$part/workload.jsonl" --num-prompts "$requests" \
+        --threads 2 --breakdown --output-json "$out/breakdown/$part.json" > "$out/breakdown/$part.txt" 2>&1
+done
+
 for part in offline/summary.tsv serve/summary_serve.tsv long/summary.tsv flags/summary.tsv; do
     echo "== $part"
     cat "$out/$part"
 done | tee "$out/summary.txt"
+for part in offline long; do
+    echo "== breakdown/$part.txt"
+    grep -A1 "Where the time went" "$out/breakdown/$part.txt" || true
+done | tee -a "$out/summary.txt"
