@@ -80,6 +80,13 @@ def print_attention(table: attention_dispatch.AttentionTable) -> None:
             t_rows, t_tile = (table.times[regime][k][i] for k in ("rows", "tile"))
             won = "tiled" if t_tile <= t_rows else "rows"
             print(f"{r:>6} {t_rows * 1e6:>8.0f} us {t_tile * 1e6:>7.0f} us {won:>10}")
+    if table.chunks:
+        print(f"bf16 prompts: a step of {attention_dispatch.CHUNK_STEP} prompt tokens in prompts of this many (flash "
+              f"attention wins by more than {attention_dispatch.CHUNK_MARGIN:.0%})")
+        print(f"{'tokens':>7} {'tiled':>10} {'flash attention':>16} {'winner':>10}")
+        for queries, t_tile, t_sdpa in zip(attention_dispatch.CHUNK_QUERIES, *table.chunks.values()):
+            won = "flash" if t_sdpa * (1 + attention_dispatch.CHUNK_MARGIN) < t_tile else "tiled"
+            print(f"{queries:>7} {t_tile * 1e6:>7.0f} us {t_sdpa * 1e6:>13.0f} us {won:>10}")
     print(f"route: {table.summary()}")
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.model import kernels
+from pagedllm.model import attention_sdpa, kernels
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class AttentionRoute:
     few_tile_min_rows: int = 20
     tile_pairs: bool = True
     tile_f16: bool = False
+    sdpa_min_queries: int = 0  # bf16 chunks of this many queries on torch's flash attention (attention_sdpa.py)
 
 
 STATIC_ROUTE = AttentionRoute()  # the cut-off measured by hand on an Intel Xeon without AVX512-BF16
@@ -152,10 +153,16 @@ def cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise RuntimeError(f"pagedllm attention kernel failed to build: {kernels.build_error()}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return ext.paged_attention(q, k_cache, v_cache, _int32(block_tables), _int32(context_lens),
-                               _int32(query_start_loc), float(scale), int(max_query_len), int(route.tile_min_rows),
-                               int(route.few_tile_min_rows), bool(route.tile_pairs),
-                               bool(route.tile_f16))
+
+    def kernel(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        return ext.paged_attention(q, k_cache, v_cache, _int32(tables), _int32(lens), _int32(starts), float(scale),
+                                   int(max_query_len), int(route.tile_min_rows), int(route.few_tile_min_rows),
+                                   bool(route.tile_pairs), bool(route.tile_f16))
+
+    if attention_sdpa.applies(q, k_cache, max_query_len, route.sdpa_min_queries):
+        return attention_sdpa.attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                     route.sdpa_min_queries, kernel)
+    return kernel(q, block_tables, context_lens, query_start_loc)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ CPU kind (20 rows, an Intel Xeon without AVX512-BF16); on an AMD EPYC Zen 5 the 
 alone. So at the first start on a machine the engine times both kernels on the model's own attention shape at a few
 query counts, in a busy step (every sequence its own task) and in steps of few sequences (fewer than 4 per thread: a
 run's tail, where drafts are verified a few queries at a time), and the tiled kernel's two forms on a prompt where both
-exist (bf16 queries: vdpbf16ps or fp32; fp32 queries where `--dtype auto` chose fp32: fp16 products or fp32); the
-route is cached beside the kernel table (model/machine_cache.py).
+exist (bf16 queries: vdpbf16ps or fp32; fp32 queries where `--dtype auto` chose fp32: fp16 products or fp32), and for
+bf16 prompt chunks the tiled kernel against torch's flash attention (AMX tiles where the CPU has them,
+model/attention_sdpa.py); the route is cached beside the kernel table (model/machine_cache.py).
 PAGEDLLM_ATTENTION=static keeps the hand-set route, for experiments."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import ModuleType
 
 import torch
@@ -40,8 +41,9 @@ logger = logging.getLogger("pagedllm")
 # fields change.
 # 2: steps of few sequences timed as a mix of 1 to 4T-1 sequences, not one of 512 tokens; 3: each kind of step
 # bisected between its ends, the two kinds in turn (the few-sequence steps' counts first had spent the budget on Zen 3,
-# and busy steps then took the hand-set route, or a guess from 1-2 counts)
-ATTENTION_VERSION = "3"
+# and busy steps then took the hand-set route, or a guess from 1-2 counts); 4: bf16 prompt chunks timed on torch's
+# flash attention too
+ATTENTION_VERSION = "4"
 FORCE_ENV = "PAGEDLLM_ATTENTION"  # measured (default) | static
 # Queries per sequence timed; rows = queries x query heads per kv head. Every count to 4 and 6: a verification of k
 # drafts has k + 1 queries (4 by default), and between timed counts the boundary is only guessed.
@@ -52,6 +54,16 @@ BUSY_CONTEXTS = (100, 1000)  # each sequence's context, drawn from this range (s
 # threads. A step of one 512-token sequence alone put the boundary at 9 rows on a Zen 5, where the 200 requests then
 # ran 4% slower than with the hand-set 20 rows; over this mix it lands at 59-118 rows there (step_contexts).
 PROMPT = 512  # the tiled kernel's two forms compared on one prompt of this many tokens
+# A step's budget of prompt tokens in fresh prompts of this many each, on the tiled kernel and on torch's flash
+# attention (bf16 only). On an Intel Xeon with AMX one prompt alone took flash attention from ~100 tokens, but a step of
+# several such prompts ran slower on it (four of 250 tokens 1.80 ms against 1.34, one call each), and the 200
+# ShareGPT-like requests 3-5% slower; one of 1,024 tokens 2.6 ms against 4.2.
+CHUNK_QUERIES = (128, 256, 512, 1024)
+CHUNK_STEP = 1024  # the engine's default step budget
+# Flash attention must win by this much: its calls run apart from the step's other sequences, whose kernel call then
+# has no prompt tiles to fill its threads' idle tails (three prompts of 300 tokens and 100 decodes: 3.5 ms against
+# 3.1 in one C++ call, where the prompts alone tied).
+CHUNK_MARGIN = 0.15
 SAMPLES = 3  # timed calls per kernel and query count, interleaved, after one warm-up; the fastest counts
 MIN_LAYERS = 2  # a step's keys and values copied to fill cold_bytes() (at least this many copies)
 TIE = 0.03  # the fp32 tile form (exact sums of fp32 products) keeps a tie within this
@@ -113,6 +125,7 @@ class AttentionTable:
     rows: dict[str, list[int]]  # per regime: the query rows timed, ascending
     times: dict[str, dict[str, list[float]]]  # per regime, per kernel ("rows", "tile"): seconds per call
     tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" or "f16", and "fp32": where both exist
+    chunks: dict[str, list[float]] = field(default_factory=dict)  # bf16 steps: "tile" and "sdpa" per CHUNK_QUERIES
     top_rows: int = 0  # the most query rows a regime's timing would reach (QUERY_COUNTS[-1] x the query group)
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -122,7 +135,18 @@ class AttentionTable:
     def route(self) -> AttentionRoute:
         busy, few = (self.boundary(r, static) for r, static in zip(REGIMES, (STATIC_ROUTE.tile_min_rows,
                                                                              STATIC_ROUTE.few_tile_min_rows)))
-        return AttentionRoute(busy, few, "pairs" not in self.tile_forms or self.faster("pairs"), self.faster("f16"))
+        return AttentionRoute(busy, few, "pairs" not in self.tile_forms or self.faster("pairs"), self.faster("f16"),
+                              self.sdpa_min_queries())
+
+    def sdpa_min_queries(self) -> int:
+        """Chunks from this many queries take flash attention: where it is never slower from a timed count on (the
+        boundary at the geometric midpoint below it, never below the fewest timed); 0 where it never won or was not
+        timed."""
+        if not self.chunks:
+            return 0
+        queries = list(CHUNK_QUERIES[:len(self.chunks["sdpa"])])
+        bound = crossover(queries, {"rows": self.chunks["tile"], "tile": _with_margin(self.chunks["sdpa"])})
+        return 0 if bound > queries[-1] else max(bound, CHUNK_QUERIES[0])
 
     def faster(self, form: str) -> bool:
         """Whether the tile form was timed and beat the fp32 form by more than TIE."""
@@ -146,8 +170,12 @@ class AttentionTable:
                      else f"fp32 tiles {'with fp16 products' if route.tile_f16 else 'in fp32'}")
             forms = (f"; {taken} (a {PROMPT}-token prompt "
                      + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.tile_forms.items()) + ")")
+        chunks = ""
+        if self.chunks:
+            chunks = (f"; bf16 chunks from {route.sdpa_min_queries} queries on torch's flash attention"
+                      if route.sdpa_min_queries else "; no chunk on torch's flash attention")
         return (f"tiled kernel from {route.tile_min_rows} query rows in busy steps, from "
-                f"{route.few_tile_min_rows} in steps of few sequences{forms}")
+                f"{route.few_tile_min_rows} in steps of few sequences{forms}{chunks}")
 
 
 def crossover(rows: list[int], times: dict[str, list[float]]) -> int:
@@ -271,6 +299,8 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
                  for name in names}
         table.tile_forms = time_kernels(forms, "prompt", PROMPT * shape.group, timer)
     taken = table.route()
+    if shape.dtype == shape.kv_dtype == torch.bfloat16:
+        table.chunks = time_chunks(shape, taken, gen, timer)
     kernel_routes = {"rows": AttentionRoute(1 << 30, 1 << 30, taken.tile_pairs, taken.tile_f16),
                      "tile": AttentionRoute(1, 1, taken.tile_pairs, taken.tile_f16)}
     steps: dict[str, list[_Step]] = {}
@@ -292,6 +322,30 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
             add_count(table, regime, queries * shape.group, best)
     table.seconds = round(time.perf_counter() - start, 3)
     return table
+
+
+def time_chunks(shape: AttentionShape, route: AttentionRoute, gen: torch.Generator,
+                timer: Timer) -> dict[str, list[float]]:
+    """The tiled kernel (in the route's form) against flash attention on steps of CHUNK_STEP prompt tokens in prompts
+    of CHUNK_QUERIES tokens each, from the shortest; stops once flash attention has won twice in a row (it then wins
+    the longer prompts too). Compute bound: two layer copies, not enough to leave the cache cold."""
+    kernel_routes = {"tile": replace(route, tile_min_rows=1, few_tile_min_rows=1, sdpa_min_queries=0),
+                     "sdpa": replace(route, sdpa_min_queries=1)}
+    chunks: dict[str, list[float]] = {"tile": [], "sdpa": []}
+    for queries in CHUNK_QUERIES:
+        step = _Step.build(shape, [queries] * max(1, CHUNK_STEP // queries), gen, MIN_LAYERS)
+        best = time_kernels({k: step.runs(queries, r, gen) for k, r in kernel_routes.items()}, "chunk",
+                            queries * shape.group, timer)
+        for kernel, seconds in best.items():
+            chunks[kernel].append(seconds)
+        if len(chunks["tile"]) >= 2 and all(s < t for s, t in zip(_with_margin(chunks["sdpa"][-2:]),
+                                                                    chunks["tile"][-2:])):
+            break
+    return chunks
+
+
+def _with_margin(seconds: list[float]) -> list[float]:
+    return [s * (1 + CHUNK_MARGIN) for s in seconds]
 
 
 def next_count(won: dict[int, bool]) -> int | None:

@@ -41,12 +41,14 @@ def ext():
 
 def crossing_at(busy: int, few: int, calls: list | None = None) -> ad.Timer:
     """Fake timings: the row kernel costs `rows`, the tiled one a fixed cost that the row kernel passes at `busy`
-    (or `few`) rows; the pairs form of the tiles half the fp32 form's."""
+    (or `few`) rows; the pairs form of the tiles half the fp32 form's; flash attention twice the tiles' on prompts."""
     def timer(what, kernel, rows, run):
         if calls is not None:
             calls.append((what, kernel, rows))
         if what == "prompt":
             return {"pairs": 1.0, "fp32": 2.0}[kernel]
+        if what == "chunk":
+            return {"tile": 1.0, "sdpa": 2.0}[kernel] * rows
         return float(rows) if kernel == "rows" else {"busy": busy, "few": few}[what] - 0.5
     return timer
 
@@ -252,3 +254,48 @@ def test_the_fp32_tile_form_runs_when_the_route_says_so(ext):
         assert error["plain"] < error["pairs"]
     else:
         assert torch.equal(pairs, plain)
+
+
+def flash_from(tokens: int, gain: float) -> ad.Timer:
+    """Fake timings: flash attention `gain` times the tiled kernel's speed on prompts of `tokens` or more, slower on
+    shorter ones; the rest as crossing_at(40, 10)."""
+    def timer(what, kernel, rows, run):
+        if what != "chunk":
+            return crossing_at(40, 10)(what, kernel, rows, run)
+        queries = rows // BF16.group
+        return float(queries) / (gain if kernel == "sdpa" and queries >= tokens else 0.5 if kernel == "sdpa" else 1)
+    return timer
+
+
+@pytest.mark.parametrize(("tokens", "gain", "expected", "timed"),
+                         [(512, 2.0, math.isqrt(256 * 512) + 1, [128, 256, 512, 1024]),
+                          (128, 2.0, ad.CHUNK_QUERIES[0], [128, 256]),
+                          (512, 1.1, 0, [128, 256, 512, 1024]),
+                          (10**6, 2.0, 0, [128, 256, 512, 1024])],
+                         ids=["from-512", "from-the-fewest", "within-the-margin", "never"])
+def test_bf16_prompts_take_flash_attention_where_it_wins_by_the_margin(ext, tokens, gain, expected, timed):
+    """Steps of 1,024 prompt tokens in prompts of 128 to 1,024 tokens, from the shortest, until flash attention has
+    won twice by more than CHUNK_MARGIN; the boundary at the geometric midpoint below the first of its wins."""
+    calls = []
+
+    def timer(what, kernel, rows, run):
+        calls.append((what, kernel, rows))
+        return flash_from(tokens, gain)(what, kernel, rows, run)
+    table = ad.measure(BF16, timer)
+    assert [rows // BF16.group for rows in dict.fromkeys(r for what, _, r in calls if what == "chunk")] == timed
+    assert table.route().sdpa_min_queries == expected
+    assert (f"from {expected} queries on torch's flash attention" if expected
+            else "no chunk on torch's flash attention") in table.summary()
+
+
+def test_fp32_prompts_are_not_timed_on_flash_attention(ext):
+    calls = []
+    table = ad.measure(SHAPE, crossing_at(40, 10, calls))
+    assert not table.chunks and table.route().sdpa_min_queries == 0
+    assert not any(what == "chunk" for what, _, _ in calls)
+
+
+def test_a_cached_route_keeps_its_flash_attention_boundary(ext):
+    first, _ = ad.tune(BF16, timer=flash_from(512, 2.0))
+    again, _ = ad.tune(BF16, timer=flash_from(10**6, 2.0))
+    assert again == first and first.sdpa_min_queries == math.isqrt(256 * 512) + 1
