@@ -55,9 +55,9 @@ BUSY_CONTEXTS = (100, 1000)  # each sequence's context, drawn from this range (s
 # ran 4% slower than with the hand-set 20 rows; over this mix it lands at 59-118 rows there (step_contexts).
 PROMPT = 512  # the tiled kernel's two forms compared on one prompt of this many tokens
 # A step's budget of prompt tokens in fresh prompts of this many each, on the tiled kernel and on torch's flash
-# attention (bf16 only). On an Intel Xeon with AMX one prompt alone took flash attention from ~100 tokens, but a step of
-# several such prompts ran slower on it (four of 250 tokens 1.80 ms against 1.34, one call each), and the 200
-# ShareGPT-like requests 3-5% slower; one of 1,024 tokens 2.6 ms against 4.2.
+# attention (bf16 only). On an Intel Xeon with AMX one prompt alone took flash attention from ~90 tokens, but a step of
+# several short prompts ran slower on it (ten of 100 tokens 1.35 ms against 0.83, one call each), and the 200
+# ShareGPT-like requests 2-5% slower; one of 1,024 tokens 2.6 ms against 4.3.
 CHUNK_QUERIES = (128, 256, 512, 1024)
 CHUNK_STEP = 1024  # the engine's default step budget
 # Flash attention must win by this much: its calls run apart from the step's other sequences, whose kernel call then

@@ -1,9 +1,9 @@
 """Prompt chunks on torch's flash attention for CPU, where it beats the tiled kernel (issue 27). On an Intel Xeon with
-AMX its bf16 products run on oneDNN's brgemm (AMX tiles): a 1,024-token prompt 2.4 ms a layer against the tiled
-kernel's 4.1 ms (model/attention_dispatch.py times the two where the engine runs and sets the route's
+AMX its bf16 products run on oneDNN's brgemm (AMX tiles): a 1,024-token prompt 2.6 ms a layer against the tiled
+kernel's 4.3 ms (model/attention_dispatch.py times the two where the engine runs and sets the route's
 `sdpa_min_queries`). A sequence with that many queries in the step has its keys and values gathered from its blocks
-(views of one copy, ~1.5 MB for 1,900 tokens of the default model; its query heads share them, enable_gqa: a copy
-per query head cost a 1,024-token prompt 1.3 ms more) and attends in one call, causal, or with a mask where keys
+(views of one copy, ~1.5 MB for 1,900 tokens of the default model; its query heads share them, enable_gqa: 2.2 ms
+against 2.4 with a copy per query head) and attends in one call, causal, or with a mask where keys
 were cached before this chunk. The other sequences go to the C++ kernel together."""
 
 from __future__ import annotations
