@@ -335,7 +335,9 @@ def test_bf16_gemm_available(ext, shape: tuple[int, int], dtype: torch.dtype, ok
 
 def test_linear_takes_int4_then_the_bf16_kernel_then_onednn(ext) -> None:
     """`linear` runs a PackedWeight's 4-bit form up to INT4_MAX_ROWS rows, its bf16_gemm form up to
-    BF16_GEMM_MAX_ROWS and oneDNN's matmul beyond: give three different weights and see which one answered."""
+    BF16_GEMM_MAX_ROWS and oneDNN's matmul beyond: give three different weights and see which one answered. On an AMX
+    CPU, whose tiles oneDNN's matmul runs on, the static route skips bf16_gemm: the 4-bit form up to
+    INT4_MAX_ROWS_WITHOUT_BF16_GEMM, then oneDNN."""
     if not (PackedWeight.native(torch.bfloat16) and ext.int4_linear_supported() and ext.bf16_gemm_supported()):
         pytest.skip("no native bf16 matmul on this CPU")
     g = torch.Generator().manual_seed(3)
@@ -344,8 +346,12 @@ def test_linear_takes_int4_then_the_bf16_kernel_then_onednn(ext) -> None:
     weight = PackedWeight(onednn, Int4Weight(q, scale, min_, ext), bf16=Bf16Weight(own, ext))
     bias = torch.randn(64, generator=g).bfloat16()
     tol = dict(rtol=2 ** -7, atol=2 ** -7)  # two bf16 roundings (matmul, bias) of values up to ~2
-    for rows, w in [(INT4_MAX_ROWS, dequantized(q, scale, min_)), (INT4_MAX_ROWS + 1, own),
-                    (BF16_GEMM_MAX_ROWS, own), (BF16_GEMM_MAX_ROWS + 1, onednn)]:
+    cases = [(INT4_MAX_ROWS, dequantized(q, scale, min_)), (INT4_MAX_ROWS + 1, own), (BF16_GEMM_MAX_ROWS, own),
+             (BF16_GEMM_MAX_ROWS + 1, onednn)]
+    if kernels.cpu_has_amx():
+        cases = [(INT4_MAX_ROWS_WITHOUT_BF16_GEMM, dequantized(q, scale, min_)),
+                 (INT4_MAX_ROWS_WITHOUT_BF16_GEMM + 1, onednn), (BF16_GEMM_MAX_ROWS, onednn)]
+    for rows, w in cases:
         x = torch.randn(rows, 128, generator=g).bfloat16()
         answers = [x.float() @ other.float().T + bias.float()
                    for other in (dequantized(q, scale, min_), own, onednn)]
