@@ -125,7 +125,8 @@ class AttentionTable:
     rows: dict[str, list[int]]  # per regime: the query rows timed, ascending
     times: dict[str, dict[str, list[float]]]  # per regime, per kernel ("rows", "tile"): seconds per call
     tile_forms: dict[str, float] = field(default_factory=dict)  # "pairs" or "f16", and "fp32": where both exist
-    chunks: dict[str, list[float]] = field(default_factory=dict)  # bf16 steps: "tile" and "sdpa" per CHUNK_QUERIES
+    # bf16 steps: "tile" and "sdpa" at the longest len(...) of CHUNK_QUERIES, ascending
+    chunks: dict[str, list[float]] = field(default_factory=dict)
     top_rows: int = 0  # the most query rows a regime's timing would reach (QUERY_COUNTS[-1] x the query group)
     key: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -144,7 +145,7 @@ class AttentionTable:
         timed."""
         if not self.chunks:
             return 0
-        queries = list(CHUNK_QUERIES[:len(self.chunks["sdpa"])])
+        queries = list(CHUNK_QUERIES[len(CHUNK_QUERIES) - len(self.chunks["sdpa"]):])
         bound = crossover(queries, {"rows": self.chunks["tile"], "tile": _with_margin(self.chunks["sdpa"])})
         return 0 if bound > queries[-1] else max(bound, CHUNK_QUERIES[0])
 
@@ -327,19 +328,19 @@ def measure(shape: AttentionShape, timer: Timer = time_call, budget_s: float = B
 def time_chunks(shape: AttentionShape, route: AttentionRoute, gen: torch.Generator,
                 timer: Timer) -> dict[str, list[float]]:
     """The tiled kernel (in the route's form) against flash attention on steps of CHUNK_STEP prompt tokens in prompts
-    of CHUNK_QUERIES tokens each, from the shortest; stops once flash attention has won twice in a row (it then wins
-    the longer prompts too). Compute bound: two layer copies, not enough to leave the cache cold."""
+    of CHUNK_QUERIES tokens each, from the longest (where flash attention gains most), down to the first length where
+    it does not win by CHUNK_MARGIN: one step timed where it never pays. Compute bound: two layer copies, not enough
+    to leave the cache cold."""
     kernel_routes = {"tile": replace(route, tile_min_rows=1, few_tile_min_rows=1, sdpa_min_queries=0),
                      "sdpa": replace(route, sdpa_min_queries=1)}
     chunks: dict[str, list[float]] = {"tile": [], "sdpa": []}
-    for queries in CHUNK_QUERIES:
+    for queries in reversed(CHUNK_QUERIES):
         step = _Step.build(shape, [queries] * max(1, CHUNK_STEP // queries), gen, MIN_LAYERS)
         best = time_kernels({k: step.runs(queries, r, gen) for k, r in kernel_routes.items()}, "chunk",
                             queries * shape.group, timer)
         for kernel, seconds in best.items():
-            chunks[kernel].append(seconds)
-        if len(chunks["tile"]) >= 2 and all(s < t for s, t in zip(_with_margin(chunks["sdpa"][-2:]),
-                                                                    chunks["tile"][-2:])):
+            chunks[kernel].insert(0, seconds)
+        if _with_margin([best["sdpa"]])[0] >= best["tile"]:
             break
     return chunks
 

@@ -268,14 +268,14 @@ def flash_from(tokens: int, gain: float) -> ad.Timer:
 
 
 @pytest.mark.parametrize(("tokens", "gain", "expected", "timed"),
-                         [(512, 2.0, math.isqrt(256 * 512) + 1, [128, 256, 512, 1024]),
-                          (128, 2.0, ad.CHUNK_QUERIES[0], [128, 256]),
-                          (512, 1.1, 0, [128, 256, 512, 1024]),
-                          (10**6, 2.0, 0, [128, 256, 512, 1024])],
+                         [(512, 2.0, math.isqrt(256 * 512) + 1, [1024, 512, 256]),
+                          (128, 2.0, ad.CHUNK_QUERIES[0], [1024, 512, 256, 128]),
+                          (512, 1.1, 0, [1024]),
+                          (10**6, 2.0, 0, [1024])],
                          ids=["from-512", "from-the-fewest", "within-the-margin", "never"])
 def test_bf16_prompts_take_flash_attention_where_it_wins_by_the_margin(ext, tokens, gain, expected, timed):
-    """Steps of 1,024 prompt tokens in prompts of 128 to 1,024 tokens, from the shortest, until flash attention has
-    won twice by more than CHUNK_MARGIN; the boundary at the geometric midpoint below the first of its wins."""
+    """Steps of 1,024 prompt tokens in prompts of 1,024 down to 128 tokens, until flash attention no longer wins by
+    more than CHUNK_MARGIN; the boundary at the geometric midpoint below the shortest of its wins."""
     calls = []
 
     def timer(what, kernel, rows, run):
