@@ -147,7 +147,8 @@ def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 def cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                   route: AttentionRoute) -> torch.Tensor:
-    """The C++ kernel; ``route`` picks the kernel per sequence (tests and the dispatch force either one)."""
+    """The C++ kernel; ``route`` picks the kernel per sequence (tests and the dispatch force either one), and sends
+    long bf16 prompt chunks to torch's flash attention where it measured faster (attention_sdpa.py)."""
     ext = kernels.load()
     if ext is None:
         raise RuntimeError(f"pagedllm attention kernel failed to build: {kernels.build_error()}")
