@@ -84,9 +84,8 @@ def print_attention(table: attention_dispatch.AttentionTable) -> None:
         print(f"bf16 prompts: a step of {attention_dispatch.CHUNK_STEP} prompt tokens in prompts of this many (flash "
               f"attention wins by more than {attention_dispatch.CHUNK_MARGIN:.0%})")
         print(f"{'tokens':>7} {'tiled':>10} {'flash attention':>16} {'winner':>10}")
-        timed = attention_dispatch.CHUNK_QUERIES[len(attention_dispatch.CHUNK_QUERIES) - len(table.chunks["tile"]):]
-        for queries, t_tile, t_sdpa in zip(timed, table.chunks["tile"], table.chunks["sdpa"]):
-            won = "flash" if t_sdpa * (1 + attention_dispatch.CHUNK_MARGIN) < t_tile else "tiled"
+        for queries, t_tile, t_sdpa in zip(table.chunk_queries(), table.chunks["tile"], table.chunks["sdpa"]):
+            won = "flash" if attention_dispatch.flash_wins(t_tile, t_sdpa) else "tiled"
             print(f"{queries:>7} {t_tile * 1e6:>7.0f} us {t_sdpa * 1e6:>13.0f} us {won:>10}")
     print(f"route: {table.summary()}")
 

@@ -145,9 +145,14 @@ class AttentionTable:
         timed."""
         if not self.chunks:
             return 0
-        queries = list(CHUNK_QUERIES[len(CHUNK_QUERIES) - len(self.chunks["sdpa"]):])
-        bound = crossover(queries, {"rows": self.chunks["tile"], "tile": _with_margin(self.chunks["sdpa"])})
+        queries = self.chunk_queries()
+        flash = [t * (1 + CHUNK_MARGIN) for t in self.chunks["sdpa"]]  # its times with the margin it must beat
+        bound = crossover(queries, {"rows": self.chunks["tile"], "tile": flash})
         return 0 if bound > queries[-1] else max(bound, CHUNK_QUERIES[0])
+
+    def chunk_queries(self) -> list[int]:
+        """The prompt lengths `chunks` holds times for: the longest of CHUNK_QUERIES (time_chunks stops going down)."""
+        return list(CHUNK_QUERIES[len(CHUNK_QUERIES) - len(self.chunks.get("tile", [])):])
 
     def faster(self, form: str) -> bool:
         """Whether the tile form was timed and beat the fp32 form by more than TIE."""
@@ -340,13 +345,14 @@ def time_chunks(shape: AttentionShape, route: AttentionRoute, gen: torch.Generat
                             queries * shape.group, timer)
         for kernel, seconds in best.items():
             chunks[kernel].insert(0, seconds)
-        if _with_margin([best["sdpa"]])[0] >= best["tile"]:
+        if not flash_wins(best["tile"], best["sdpa"]):
             break
     return chunks
 
 
-def _with_margin(seconds: list[float]) -> list[float]:
-    return [s * (1 + CHUNK_MARGIN) for s in seconds]
+def flash_wins(tile_s: float, sdpa_s: float) -> bool:
+    """Flash attention beat the tiled kernel by more than CHUNK_MARGIN."""
+    return sdpa_s * (1 + CHUNK_MARGIN) < tile_s
 
 
 def next_count(won: dict[int, bool]) -> int | None:
