@@ -45,13 +45,24 @@ def parse_size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# The step's token budget where none was set or chosen (model/step_budget.py chooses upwards from it)
+FIRST_STEP_BUDGET = 1024
+
+
+def fixed_step_budget(budget: int | None, at_least: int = 0) -> int:
+    """A step budget for what runs without the engine's choice (simulations, transformers' batching, benchmarks that
+    size a step themselves): the flag's, else FIRST_STEP_BUDGET; at least `at_least`."""
+    return max(budget or FIRST_STEP_BUDGET, at_least)
+
+
 @dataclass
 class SchedulerConfig:
     """What the scheduler decides with: seats, token budget, length, block size, the memory policy, the batching mode,
     prefix caching and speculation. Plain data, so core/ reads it without torch."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 1024
+    # None: chosen where the engine runs, 1,024-4,096 by how long a step's matmuls take there (model/step_budget.py)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length (the engine resolves it)
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -91,7 +102,7 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
@@ -143,7 +154,7 @@ class EngineConfig:
     kv_cache_memory: int | float | str = "4GiB"  # as vLLM CPU's VLLM_CPU_KVCACHE_SPACE
     num_blocks: int | None = None  # overrides kv_cache_memory when given
     max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
     max_model_len: int | None = SchedulerConfig.max_model_len
     threads: int | None = None  # torch intra-op threads; default: all cores
     attention_backend: str = "auto"  # auto | cpp | reference
@@ -264,7 +275,9 @@ class EngineConfig:
         g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
                        help="sequences running in one step at most")
         g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
-                       help="tokens in one step at most (prompt chunks plus decodes)")
+                       help="tokens in one step at most (prompt chunks plus decodes; default: chosen where the "
+                            "engine runs, the largest of 1024, 2048 and 4096 whose prompt step's matmuls take at most "
+                            "0.3 s by the measured kernel table)")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + output tokens per sequence at most (default: the model's context, capped by "
                             "what the KV cache holds)")

@@ -33,7 +33,8 @@ fi
 "$here/side_by_side.sh" "$vllm_python" "$vllm_model" "$out/long" "$rounds"
 
 "$here/flag_matrix.sh" "$workload" "$out/flags" "$rounds" 'defaults|-|' 'static|PAGEDLLM_KERNEL=static|' \
-    'attention_static|PAGEDLLM_ATTENTION=static|' 'none|-|--quantization none'
+    'attention_static|PAGEDLLM_ATTENTION=static|' 'none|-|--quantization none' \
+    'budget_1024|-|--max-num-batched-tokens 1024' 'budget_4096|-|--max-num-batched-tokens 4096'
 
 # where each run's time goes on this kind (the step timers on: not a throughput figure)
 mkdir -p "$out/breakdown"

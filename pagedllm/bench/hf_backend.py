@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, fixed_step_budget
 from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.tokenizer import Tokenizer
 
@@ -167,7 +167,7 @@ def continuous_batching_config(config: EngineConfig, model_config, dtype: torch.
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {config.block_size} tokens")
     return ContinuousBatchingConfig(page_size=config.block_size, num_blocks=num_blocks,
-                                    max_batch_tokens=config.max_num_batched_tokens,
+                                    max_batch_tokens=fixed_step_budget(config.max_num_batched_tokens),
                                     max_requests_per_batch=config.max_num_seqs,
                                     allow_block_sharing=config.enable_prefix_caching, auto_switch_to_flash=False)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagedllm.bench.roofline import ASSUMED_MEM_GBPS, Machine, decode_bound, local_machine
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, fixed_step_budget
 from pagedllm.engine.step_timers import PART_HELP, PARTS
 from pagedllm.model.bf16_choice import torch_dtype_name
 
@@ -160,8 +160,9 @@ def sized_engine(base: Any, case: LatencyCase, user_sized: bool) -> Any:
                                    "max_model_len": None}  # checked against the model's in skip_reason
     # Steps of one shape: asked for, every decode step speculates (the engine's gate would mix steps without drafts)
     limit = base.speculative_disable_by_batch_size or max(base.max_num_seqs, case.batch)
+    budget = fixed_step_budget(base.max_num_batched_tokens, case.batch)
     return LLMEngine(dataclasses.replace(base, max_num_seqs=max(base.max_num_seqs, case.batch),
-                                         max_num_batched_tokens=max(base.max_num_batched_tokens, case.batch),
+                                         max_num_batched_tokens=budget,
                                          speculative_disable_by_batch_size=limit, **sized))
 
 
@@ -186,14 +187,16 @@ def cmd_latency(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "model": base.model or "SmolLM2-135M-Instruct (default)", "dtype": torch_dtype_name(base),
         "threads": base.num_threads, "block_size": base.block_size, "steps": steps, "warmup_steps": args.warmup_steps,
-        "max_num_batched_tokens": base.max_num_batched_tokens, "attention_backend": base.attention_backend,
+        "max_num_batched_tokens": fixed_step_budget(base.max_num_batched_tokens),
+        "attention_backend": base.attention_backend,
         "quantization": base.quantization, "kv_cache_dtype": base.kv_cache_dtype,
         "num_speculative_tokens": base.num_speculative_tokens,
         "machine": {**dataclasses.asdict(machine), "cpus": os.cpu_count(), "arch": platform.machine()},
         "parts": PART_HELP, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "rows": [], "skipped": []}
     for batch in batches:
         for ctx in ctxs:
-            case = plan_case(batch, ctx, steps, args.warmup_steps, max(base.max_num_batched_tokens, batch),
+            budget = fixed_step_budget(base.max_num_batched_tokens, batch)
+            case = plan_case(batch, ctx, steps, args.warmup_steps, budget,
                              kv_bytes_per_block(config, 1, kv_dtype), 1 + base.num_speculative_tokens)
             reason = skip_reason(case, max_model_len, args.max_kv_gib * GIB, pool_tokens)
             if reason:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.bench.datasets import ALPACA, SHAREGPT, draw_lengths
+from pagedllm.config import fixed_step_budget
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.plan import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -313,7 +314,8 @@ def cmd_route(args: argparse.Namespace) -> int:
                                      turns=args.turns, think_time=args.think_time, max_prompt_len=args.max_model_len)
             for policy in policies:
                 result = simulate(workload, policy, n, cost, num_blocks=args.num_blocks, block_size=args.block_size,
-                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=fixed_step_budget(args.max_num_batched_tokens),
                                   max_model_len=args.max_model_len, margin=args.routing_margin, seed=args.seed)
                 results.append(dataclasses.asdict(result))
                 print_row(results[-1], header=len(results) == 1)

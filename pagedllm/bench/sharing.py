@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.bench.datasets import few_shot_workload, stdlib_docstrings, text_prompts
 from pagedllm.bench.results import write_json
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, fixed_step_budget
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -141,7 +141,8 @@ def beam_llm(config: EngineConfig, prompt_sets: list[list[list[int]]], max_token
     width = max(SHARING_WIDTHS)
     budget = max(width * sum(len(p) + max_tokens for p in prompts) for prompts in prompt_sets)
     seats = max(width * len(prompts) for prompts in prompt_sets)
-    return LLM(**vars(dataclasses.replace(config, max_num_batched_tokens=max(config.max_num_batched_tokens, budget),
+    budget = fixed_step_budget(config.max_num_batched_tokens, budget)
+    return LLM(**vars(dataclasses.replace(config, max_num_batched_tokens=budget,
                                           max_num_seqs=max(config.max_num_seqs, seats))))
 
 
@@ -201,7 +202,7 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     result: dict = {
         "model": engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
         "block_size": config.block_size, "num_blocks": engine.stats().num_total_blocks,
-        "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
         "seed": args.seed, "quick": args.quick, "parts": sorted(parts), **sizes, "corpus_docstrings": len(docs),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
         "loadavg_before": [round(x, 2) for x in load_before],

@@ -59,6 +59,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     stats = llm.engine.stats()
     result = {
         "model": llm.engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
+        "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
         "dataset": args.dataset, "seed": args.seed, "workload": workload,
         "num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 3),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Hashable
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import SchedulerConfig, fixed_step_budget
 from pagedllm.core.adapters import AdapterSlots
 from pagedllm.core.block_manager import BlockManager, blocks_for
 from pagedllm.core.lpm import LongestPrefixScheduler
@@ -125,8 +125,8 @@ POLICIES: dict[str, type[Scheduler]] = {"fcfs": Scheduler, "priority": PriorityS
 def make_scheduler(config: SchedulerConfig, num_blocks: int) -> Scheduler:
     """The scheduler (and its block manager) for a memory policy, a batching mode and a scheduling policy (who waits:
     only the paged continuous scheduler has a choice); `config.max_model_len` is the resolved one (None: what the
-    pool holds)."""
-    limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+    pool holds); without a budget (the engine passes the one it chose), the first one."""
+    limits = (config.max_num_seqs, fixed_step_budget(config.max_num_batched_tokens), config.max_model_len)
     if config.kv_policy == "paged":
         cls = StaticBatching if config.batching == "static" else POLICIES[config.scheduling_policy]
         speculation = (config.num_speculative_tokens, config.speculative_disable_by_batch_size) \

@@ -64,7 +64,8 @@ class LLMEngine:
         self.model_config: ModelConfig = self.runner.model_config
         self.eos_token_ids = set(self.runner.eos_token_ids)
         self.max_model_len = self._max_model_len(self.runner.num_blocks)
-        self.scheduler = make_scheduler(dataclasses.replace(config.scheduler_config, max_model_len=self.max_model_len),
+        self.scheduler = make_scheduler(dataclasses.replace(config.scheduler_config, max_model_len=self.max_model_len,
+                                                            max_num_batched_tokens=self._step_budget()),
                                         self.runner.num_blocks)
         self.block_manager = self.scheduler.block_manager
         # the prefix cache's second tier (--kv-offload-dir): blocks the pool lets go, restored on a later prefix hit
@@ -90,6 +91,19 @@ class LLMEngine:
         self._prompt_words: dict[str, str] = {}  # request id -> its prompt's first words, for kv_snapshot
         self.loras: dict[int, LoRARequest] = {}  # the registered LoRA adapters by id
         logger.info("max_model_len %d", self.max_model_len)
+
+    def _step_budget(self) -> int:
+        """--max-num-batched-tokens, or the budget chosen for this machine and model (logged with its reason)."""
+        if self.config.max_num_batched_tokens is not None:
+            return self.config.max_num_batched_tokens
+        budget = self.runner.step_budget()
+        logger.info("step budget %d tokens (--max-num-batched-tokens): %s", budget.tokens, budget.reason)
+        return budget.tokens
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget in force: the flag's, or the one chosen here."""
+        return self.scheduler.max_num_batched_tokens
 
     def _max_model_len(self, num_blocks: int) -> int:
         """The model's context, capped by what the pool can hold for one sequence."""

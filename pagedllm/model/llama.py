@@ -27,7 +27,7 @@ from pagedllm.model.sampler import GrammarMask, apply_grammar_mask_
 from pagedllm.model.timing import NO_TIMER, PartTimer
 
 if TYPE_CHECKING:
-    from pagedllm.model.dispatch import PlannedForms
+    from pagedllm.model.dispatch import KernelTable, PlannedForms
 
 # input channels of the int8 lm_head computed from the plain weight (Int8Weight.mm); 16 of 576 here brought its top-5
 # logprob error from 1.17-1.26x plain bf16's to about 1x (`python docs/scripts/outlier_channels_gate.py`)
@@ -128,6 +128,7 @@ class LlamaModel:
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.attention_route: AttentionRoute = STATIC_ROUTE  # the runner sets the one measured here
+        self.kernel_table: KernelTable | None = None  # the matmuls' measured table, where one was (model/dispatch.py)
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5

@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.plan import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Sequence
 from pagedllm.errors import InvalidRequestError
-from pagedllm.model import attention_dispatch, dispatch, heap, kernels
+from pagedllm.model import attention_dispatch, dispatch, heap, kernels, step_budget
 from pagedllm.model.attention import is_fast_path_available, kv_record_len
 from pagedllm.model.attention_dispatch import AttentionShape
 from pagedllm.model.bf16_choice import torch_dtype_name
@@ -27,6 +27,7 @@ from pagedllm.model.lora import AdapterStore, LoRABatch, LoRAStack
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
 from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.step_budget import StepBudget
 from pagedllm.model.threads import ThreadGovernor, start_threads
 from pagedllm.model.timing import NO_TIMER, PartTimer
 from pagedllm.model.tokenizer import Tokenizer
@@ -189,10 +190,14 @@ class ModelRunner:
         planned = dispatch.planned_forms(dtype, loaded.name, variant)  # the forms the cached routes take, or None
         model = build(loaded.config, loaded.weights, dtype, config.attention_backend, loaded.q4_weights, int8, planned,
                       f16=fp16_products(config, dtype), q8=int8_activations(config, dtype))
-        dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # each matmul's kernel, measured
+        model.kernel_table = dispatch.tune(model.packed_weights(), dtype, loaded.name, variant=variant)  # measured
         if model.ext is not None:  # which attention kernel each sequence takes, measured
             model.attention_route, _ = attention_dispatch.tune(attention_shape(config, loaded.config, dtype, kv_dtype))
         return model
+
+    def step_budget(self) -> StepBudget:
+        """The step's token budget for this machine and model, where the user set none (model/step_budget.py)."""
+        return step_budget.choose(self.model.kernel_table, self.model.config.num_hidden_layers)
 
     @property
     def model_config(self) -> ModelConfig:
