@@ -1,6 +1,7 @@
 """`pagedllm bench kernels`: the measured kernel choice (model/dispatch.py) made afresh on this machine and printed,
-each matmul kind's paths x row counts with their times and the winner, and the table it caches for the engine.
-Beside it, oneDNN's fp32 and bf16 matmuls on the model's biggest layer shape: what `--dtype auto` rests on."""
+each matmul kind's paths x row counts with their times and the winner, and the table it caches for the engine, with
+the step budget it gives (model/step_budget.py). Beside it, oneDNN's fp32 and bf16 matmuls on the model's biggest
+layer shape: what `--dtype auto` rests on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.model import attention_dispatch, dispatch, kernel_timing, machine_cache
+from pagedllm.model import attention_dispatch, dispatch, kernel_timing, machine_cache, step_budget
 from pagedllm.model.bf16_choice import torch_dtype_name
 from pagedllm.model.layers import PackedWeight
 from pagedllm.model.model_runner import ModelRunner, attention_shape, kernel_variant
@@ -106,6 +107,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
           f"{table.load:.2f}: measured in {time.perf_counter() - start:.1f} s ({kept}); times per call, the fastest "
           f"of {kernel_timing.SAMPLES}")
     print_table(table)
+    budget = step_budget.choose(table, runner.model_config.num_hidden_layers)
+    print(f"step budget where --max-num-batched-tokens is not given: {budget.tokens} tokens ({budget.reason})")
     biggest = max((ws[0].shape for kind, ws in weights.items() if kind != "lm_head"), key=lambda s: s[0] * s[1])
     dtypes = dtype_times(biggest)
     print(f"\noneDNN matmul {biggest[0]}x{biggest[1]}, fp32 vs bf16 (`--dtype auto` picks {torch_dtype_name(config)})")
@@ -118,6 +121,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"table": table.__dict__, "attention": attention and attention.__dict__,
+                       "step_budget": budget.tokens,
                        "dtype_rows": DTYPE_ROWS, "dtype_times": dtypes,
                        "machine": f"{platform.machine()} {os.cpu_count()} cpus"}, f, indent=1)
     return 0
