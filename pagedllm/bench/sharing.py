@@ -139,9 +139,9 @@ def beam_llm(config: EngineConfig, prompt_sets: list[list[list[int]]], max_token
     from pagedllm.entrypoints.llm import LLM
 
     width = max(SHARING_WIDTHS)
-    budget = max(width * sum(len(p) + max_tokens for p in prompts) for prompts in prompt_sets)
+    tokens = max(width * sum(len(p) + max_tokens for p in prompts) for prompts in prompt_sets)
     seats = max(width * len(prompts) for prompts in prompt_sets)
-    budget = fixed_step_budget(config.max_num_batched_tokens, budget)
+    budget = fixed_step_budget(config.max_num_batched_tokens, tokens)
     return LLM(**vars(dataclasses.replace(config, max_num_batched_tokens=budget,
                                           max_num_seqs=max(config.max_num_seqs, seats))))
 
