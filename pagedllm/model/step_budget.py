@@ -2,8 +2,8 @@
 
 A bigger step spreads each step's fixed costs over more tokens and fills wide matrix units, but every decode in it
 waits for it. A budget in tokens is a different wait on every CPU (a 1,024-token step's matmuls: 0.14 s on an Intel
-Xeon with AMX, 0.5 s on AMD EPYC Zen 4), so the cap is in time: the largest budget whose prompt step's matmuls, from
-the measured kernel table, stay within STEP_MATMUL_S, and never below the first budget.
+Xeon with AMX, 0.5-0.63 s on AMD EPYC Zen 4), so the cap is in time: the largest budget whose prompt step's matmuls,
+from the measured kernel table, stay within STEP_MATMUL_S, and never below the first budget.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pagedllm.config import FIRST_STEP_BUDGET
 from pagedllm.model.dispatch import KernelTable
 
-# 1,024: the budget before it was chosen (a smaller one lowers throughput everywhere measured); 2,048 and 4,096:
-# vLLM's CPU server's and offline LLM's. On the AMX Xeon 2,048 ran long prompts (32 x 1,900 tokens) 15% faster than
-# 1,024 and 4,096 28%; on Zen 4, where a 1,024-token step's matmuls already take 0.5 s, neither paid.
+# 1,024: the budget before it was chosen, kept as the floor; 2,048 and 4,096: vLLM's CPU server's and offline LLM's.
+# On the AMX Xeon 2,048 ran long prompts (32 x 1,900 tokens) 16% faster than 1,024 and 4,096 28%; on Zen 4, where a
+# 1,024-token step's matmuls already take 0.5-0.63 s, neither paid (docs/performance.md, the AMX and Zen 4 sections).
 BUDGETS = (FIRST_STEP_BUDGET, 2048, 4096)
 # A prompt step's matmuls at most this long: the wait a step of the budget adds to the decodes sharing it. Kinds
-# without matrix units spend 0.22-0.5 s at 1,024 tokens on the default model, and keep 1,024.
+# without matrix units spend 0.22-0.67 s at 1,024 tokens on the default model, and keep 1,024.
 STEP_MATMUL_S = 0.3
 LAYER_KINDS = ("qkv", "o", "gate_up", "down")  # a prompt step's matmuls; its lm_head runs on one row per sequence
 
