@@ -77,7 +77,10 @@ def reference(tiny_model_dir: str):
 
 @pytest.fixture(scope="module")
 def client(dp_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    """No retries (a lost request must show), so no kept-alive connections either: one idle past the server's
+    --timeout-keep-alive was closed as the next test reused it ("Server disconnected without sending a response")."""
+    return openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="unused", max_retries=0, timeout=120,
+                         http_client=openai.DefaultHttpxClient(headers={"Connection": "close"}))
 
 
 def health(server: ServerProcess) -> dict:
