@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -247,3 +248,19 @@ def faked_machine(folder: Path) -> Iterator[None]:
 def fake_machine(tmp_path):
     with faked_machine(tmp_path):
         yield
+
+
+# Seconds a server test's client keeps an idle connection for its next request: below the server's keep-alive
+# (--timeout-keep-alive, 5 s), so that no request goes out on a connection the server is closing at that moment.
+# httpx keeps them 5 s too, and a client that does not retry lost a request to that race in a clean-clone CI run.
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def no_retry_client(sdk: type, base_url: str, **kwargs: object) -> object:
+    """A client of an official SDK's class (openai.OpenAI, openai.AsyncOpenAI, anthropic.Anthropic) that does not
+    retry, so that a request the server lost fails its test, and reuses its connections only while the server keeps
+    them."""
+    module = __import__(sdk.__module__.split(".")[0])
+    http = module.DefaultAsyncHttpxClient if sdk.__name__.startswith("Async") else module.DefaultHttpxClient
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return sdk(base_url=base_url, max_retries=0, http_client=http(limits=limits), **kwargs)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import no_retry_client
 from test_dashboard import browser, open_page  # noqa: F401 (browser is a fixture)
 
 ray = pytest.importorskip("ray")
@@ -79,8 +80,7 @@ def reference(tiny_model_dir: str):
 def client(dp_server: ServerProcess) -> openai.OpenAI:
     """No retries (a lost request must show), so no kept-alive connections either: one idle past the server's
     --timeout-keep-alive was closed as the next test reused it ("Server disconnected without sending a response")."""
-    return openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="unused", max_retries=0, timeout=120,
-                         http_client=openai.DefaultHttpxClient(headers={"Connection": "close"}))
+    return no_retry_client(openai.OpenAI, f"{dp_server.url}/v1", api_key="unused", timeout=120)
 
 
 def health(server: ServerProcess) -> dict:

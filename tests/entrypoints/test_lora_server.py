@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import make_peft_adapter, make_tiny_hf_model
+from conftest import make_peft_adapter, make_tiny_hf_model, no_retry_client
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.bench.server_process import ServerProcess as Server
@@ -53,7 +53,7 @@ def server(tiny_model_dir: str, adapter_dirs: dict[str, str], tmp_path_factory: 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return no_retry_client(openai.OpenAI, f"{server.url}/v1", api_key=API_KEY, timeout=60)
 
 
 def post(server: Server, route: str, body: dict, key: str | None = API_KEY) -> httpx.Response:

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from conftest import no_retry_client
 from test_server import launch
 from test_tool_calls import MODELS, TOOLS
 
@@ -36,12 +37,12 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def claude(server: ServerProcess) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    return no_retry_client(anthropic.Anthropic, server.url, api_key=API_KEY, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def gpt(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return no_retry_client(openai.OpenAI, f"{server.url}/v1", api_key=API_KEY, timeout=120)
 
 
 def chat(gpt: openai.OpenAI, messages: list[dict], **kwargs):
@@ -155,7 +156,7 @@ def test_the_client_raises_on_errors_and_keys(claude, server):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "tool_result"}]}])
-    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    bad = no_retry_client(anthropic.Anthropic, server.url, api_key="wrong")
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["type"] == "authentication_error"

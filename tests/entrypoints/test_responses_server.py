@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import no_retry_client
 from test_server import launch, metrics
 from test_structured_server import Person
 from test_tool_calls import MODELS, TOOLS
@@ -39,7 +40,7 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return no_retry_client(openai.OpenAI, f"{server.url}/v1", api_key="unused", timeout=120)
 
 
 def chat(client: openai.OpenAI, messages: list[dict], **kwargs):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from conftest import no_retry_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.server_process import ServerProcess as Server
@@ -57,7 +58,7 @@ def small_server(servers: tuple[Server, Server]) -> Server:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return no_retry_client(openai.OpenAI, f"{server.url}/v1", api_key="unused", timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_32_concurrent_streams_are_batched(server: Server, model: str) -> None:
         return text, tokens
 
     async def run() -> list[tuple[str, int]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+        async with no_retry_client(openai.AsyncOpenAI, f"{server.url}/v1", api_key="x") as client:
             return await asyncio.gather(*(one(client, prompts[i % 4]) for i in range(32)))
 
     results = asyncio.run(run())
@@ -389,8 +390,8 @@ def test_api_key(small_server: Server) -> None:
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
-    good = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        no_retry_client(openai.OpenAI, f"{url}/v1", api_key="wrong").models.list()
+    good = no_retry_client(openai.OpenAI, f"{url}/v1", api_key=API_KEY)
     assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).choices
 
 

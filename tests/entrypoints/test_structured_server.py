@@ -14,6 +14,7 @@ from typing import Annotated
 import httpx
 import openai
 import pytest
+from conftest import no_retry_client
 from pydantic import BaseModel, Field
 from test_server import REPO, launch
 from test_tool_calls import MODELS, TOOLS
@@ -40,7 +41,7 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return no_retry_client(openai.OpenAI, f"{server.url}/v1", api_key="unused", timeout=120)
 
 
 def parse(client: openai.OpenAI):
@@ -205,7 +206,7 @@ class Country(BaseModel):
 def test_real_model_parse_20_of_20(tmp_path):
     with ServerProcess(["--max-model-len", "2048"], str(tmp_path / "server.log"), timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)}) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = no_retry_client(openai.OpenAI, f"{srv.url}/v1", api_key="unused", timeout=300)
         countries = ["France", "Japan", "Brazil", "Kenya", "Canada", "India", "Italy", "Egypt", "Chile", "Norway"]
         model = client.models.list().data[0].id
 
