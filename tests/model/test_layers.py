@@ -239,11 +239,12 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor) -> tor
     return (q.float().view(rows, cols // 32, 32) * scale[..., None] + min_[..., None]).view(rows, cols)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, INT4_MAX_ROWS, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33])
 def test_int4_matmul_equals_the_dequantized_weight(ext, rows: int) -> None:
     """The int4 kernel computes x @ w.T with w = q * scale + min exactly (products and sums in fp32): its output is
     the bf16 rounding of the fp32 result, except where an fp32 sum lands next to a rounding boundary. Each row
-    alone gives the same as in the batch (batch-invariant), for every block of rows the kernel takes at once."""
+    alone gives the same as in the batch (batch-invariant), for every block of rows the kernel takes at once (blocks
+    of up to 8 rows, their sums in registers)."""
     if not ext.int4_linear_supported():
         pytest.skip("no AVX512-BF16 on this CPU")
     q, scale, min_ = random_int4(96, 576, rows)

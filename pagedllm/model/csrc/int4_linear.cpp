@@ -5,7 +5,9 @@
 // accumulate in fp32 (AVX512-BF16 dot products), and d and m apply once per group:
 //   sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k.
 // d and m stay the file's fp16 values, so the weights are exactly the file's; only x is bf16 and the output rounds
-// to bf16 once. A group's nibbles are unpacked once and used for every row of x.
+// to bf16 once. Rows run in blocks of up to 8, each block's sums in registers over all of K: kept in memory between
+// groups, as before 2026-12-02, each group's loads of them waited on the previous group's stores, and 1-8 rows took
+// 1.2-2.2x as long (AMD EPYC Zen 4, docs/performance.md); a block unpacks the nibbles again, level beyond 8 rows.
 //
 // Layout (Int4Weight packs it): output rows in tiles of 16, inputs in groups of 32, nibble pairs (p, p+1) together:
 //   packed [N/16, K/32, 8, 32] uint8: byte 2i + j of [t, g, pp] = q[16t + i, 32g + 4pp + j]
@@ -18,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,45 +29,68 @@
 
 namespace {
 
-constexpr int64_t kTile = 16, kGroup = int4_args::kGroup, kRowsPerBlock = 4;
+constexpr int64_t kTile = 16, kGroup = int4_args::kGroup, kRows = 8;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 constexpr bool kSupported = true;
 
-// R rows of x against one tile's group of dequantized weights w[16] (bf16 integers, one k-pair each):
-// acc[r] += d * (x_r . q) + m * sum(x_r over the group). C partial sums per row (C * R independent chains) hide the
-// dot product's latency.
-template <int R>
-inline void rows_block(const __m512i* w, __m512 d, __m512 m, const at::BFloat16* x, int64_t K, const float* xsum,
-                       int64_t G, float* acc) {
-  constexpr int C = R <= 2 ? 4 : 2;
-  __m512 dot[R][C];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int p = 0; p < 16; ++p) {
-    const __m512bh wp = (__m512bh)w[p];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * K + 2 * p, 4);
-      dot[r][p % C] = _mm512_dpbf16_ps(dot[r][p % C], wp, (__m512bh)_mm512_set1_epi32(pair));
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    __m512 a = _mm512_loadu_ps(acc + r * kTile);
-    __m512 sum = dot[r][0];
-#pragma GCC unroll 4
-    for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, dot[r][c]);
-    a = _mm512_fmadd_ps(sum, d, a);
-    a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G]), m, a);
-    _mm512_storeu_ps(acc + r * kTile, a);
-  }
+// The 32 bytes of nibble pairs pp as bf16 integers: k-pairs 2pp (low nibbles) and 2pp + 1 (high).
+inline void unpack_pair(const uint8_t* bytes, __m512i lut, __m512i low4, __m512bh& lo, __m512bh& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low4), lut);
+  hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
 }
 
+inline __m512 group_scale(const at::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+// R <= kRows rows of x against one tile: a[r] += d * (x_r . q) + m * sum(x_r over the group) for each group, the sums
+// in registers over all of K, each k-pair's weights unpacked as they are used (so that 8 rows' sums fit). C partial
+// dot products per row (C * R independent chains) hide the dot product's latency.
+template <int R>
+void tile_block(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const at::BFloat16* x,
+                const float* xsum, int64_t K, int64_t G, __m512i lut, __m512i low4, float* acc) {
+  constexpr int C = R <= 2 ? 4 : 2;
+  __m512 a[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* pg = packed + g * 8 * 32;
+    const at::BFloat16* xg = x + g * kGroup;
+    __m512 dot[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int pp = 0; pp < 8; ++pp) {
+      __m512bh w0, w1;
+      unpack_pair(pg + pp * 32, lut, low4, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        uint32_t p0, p1;
+        std::memcpy(&p0, xg + r * K + 4 * pp, 4);
+        std::memcpy(&p1, xg + r * K + 4 * pp + 2, 4);
+        dot[r][2 * pp % C] = _mm512_dpbf16_ps(dot[r][2 * pp % C], w0, (__m512bh)_mm512_set1_epi32(p0));
+        dot[r][(2 * pp + 1) % C] = _mm512_dpbf16_ps(dot[r][(2 * pp + 1) % C], w1, (__m512bh)_mm512_set1_epi32(p1));
+      }
+    }
+    const __m512 d = group_scale(scales + g * kTile), m = group_scale(mins + g * kTile);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = dot[r][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, dot[r][c]);
+      a[r] = _mm512_fmadd_ps(sum, d, a[r]);
+      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), m, a[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kTile, a[r]);
+}
+
+// All M rows of x against one tile, kRows at a time (each block unpacks the tile's nibbles again).
 void tile_rows(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const at::BFloat16* x,
                const float* xsum, int64_t M, int64_t K, int64_t G, float* acc) {
   // bf16 bit patterns of 0..15, indexed by a nibble
@@ -77,27 +103,19 @@ void tile_rows(const uint8_t* packed, const at::Half* scales, const at::Half* mi
   }
   const __m512i lut = _mm512_load_si512(table);
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  std::memset(acc, 0, sizeof(float) * M * kTile);
-  __m512i w[16];
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* pg = packed + g * 8 * 32;
-#pragma GCC unroll 8
-    for (int pp = 0; pp < 8; ++pp) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + pp * 32)));
-      w[2 * pp] = _mm512_permutexvar_epi16(_mm512_and_si512(v, low4), lut);
-      w[2 * pp + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
-    const at::BFloat16* xg = x + g * kGroup;
-    int64_t r = 0;
-    for (; r + kRowsPerBlock <= M; r += kRowsPerBlock)
-      rows_block<kRowsPerBlock>(w, d, m, xg + r * K, K, xsum + r * G + g, G, acc + r * kTile);
-    switch (M - r) {
-      case 3: rows_block<3>(w, d, m, xg + r * K, K, xsum + r * G + g, G, acc + r * kTile); break;
-      case 2: rows_block<2>(w, d, m, xg + r * K, K, xsum + r * G + g, G, acc + r * kTile); break;
-      case 1: rows_block<1>(w, d, m, xg + r * K, K, xsum + r * G + g, G, acc + r * kTile); break;
-      default: break;
+  for (int64_t r = 0; r < M; r += kRows) {
+    const at::BFloat16* xr = x + r * K;
+    const float* sr = xsum + r * G;
+    float* ar = acc + r * kTile;
+    switch (std::min(M - r, kRows)) {
+      case 1: tile_block<1>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 2: tile_block<2>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 3: tile_block<3>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 4: tile_block<4>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 5: tile_block<5>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 6: tile_block<6>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      case 7: tile_block<7>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
+      default: tile_block<kRows>(packed, scales, mins, xr, sr, K, G, lut, low4, ar); break;
     }
   }
 }
