@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -254,9 +255,10 @@ def fake_machine(tmp_path):
 # (--timeout-keep-alive, 5 s), so that no request goes out on a connection the server is closing at that moment.
 # httpx keeps them 5 s too, and a client that does not retry lost a request to that race in a clean-clone CI run.
 CLIENT_KEEPALIVE_S = 2.0
+Client = TypeVar("Client")
 
 
-def no_retry_client(sdk: type, base_url: str, **kwargs: object) -> object:
+def no_retry_client(sdk: type[Client], base_url: str, **kwargs: object) -> Client:
     """A client of an official SDK's class (openai.OpenAI, openai.AsyncOpenAI, anthropic.Anthropic) that does not
     retry, so that a request the server lost fails its test, and reuses its connections only while the server keeps
     them."""

@@ -78,8 +78,8 @@ def reference(tiny_model_dir: str):
 
 @pytest.fixture(scope="module")
 def client(dp_server: ServerProcess) -> openai.OpenAI:
-    """No retries (a lost request must show), so no kept-alive connections either: one idle past the server's
-    --timeout-keep-alive was closed as the next test reused it ("Server disconnected without sending a response")."""
+    """No retries (a lost request must show); its idle connections expire before the server's keep-alive closes them
+    (one reused as the server closed it gave "Server disconnected without sending a response")."""
     return no_retry_client(openai.OpenAI, f"{dp_server.url}/v1", api_key="unused", timeout=120)
 
 

@@ -7,7 +7,8 @@
 // d and m stay the file's fp16 values, so the weights are exactly the file's; only x is bf16 and the output rounds
 // to bf16 once. Rows run in blocks of up to 8, each block's sums in registers over all of K: kept in memory between
 // groups, as before 2026-12-02, each group's loads of them waited on the previous group's stores, and 1-8 rows took
-// 1.2-2.2x as long (AMD EPYC Zen 4, docs/performance.md); a block unpacks the nibbles again, level beyond 8 rows.
+// 1.2-2.2x as long (AMD EPYC Zen 4, docs/performance.md). Each block unpacks the nibbles again: 0.8-1.1x the old
+// time at 9-64 rows, where bf16_gemm takes the routes anyway.
 //
 // Layout (Int4Weight packs it): output rows in tiles of 16, inputs in groups of 32, nibble pairs (p, p+1) together:
 //   packed [N/16, K/32, 8, 32] uint8: byte 2i + j of [t, g, pp] = q[16t + i, 32g + 4pp + j]
