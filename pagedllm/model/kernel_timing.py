@@ -57,9 +57,9 @@ def time_call(kind: str, path: str, rows: int, run: Callable[[], object]) -> flo
     return time.perf_counter() - start
 
 
-def _run(weights: list[PackedWeight], x: torch.Tensor, path: str) -> None:
+def _run(weights: list[PackedWeight], x: torch.Tensor, path: str, out: torch.Tensor | None) -> None:
     for w in weights:
-        w.mm(x, path=path)
+        w.mm(x, path=path, out=out)
 
 
 def measure_paths(weights: dict[str, list[PackedWeight]], dtype: torch.dtype, timer: Timer = time_call,
@@ -215,13 +215,18 @@ def time_bucket(weights: list[PackedWeight], kind: str, buckets: list[int], i: i
     rows = buckets[i]
     groups = sample_groups(weights, rows, samples_per_path + warm)
     x = torch.randn(rows, weights[0].shape[1]).to(dtype)
+    # The lm_head's int8 paths write the greedy logits pass's kept buffer (LlamaModel._scratch_logits): a fresh
+    # output faulted its pages in at each new row count, and in the one sample taken at the biggest (128) int8 took
+    # 16.6 ms against oneDNN int8's 13.3, 12-13 in a step: int8_mm took 91-256 rows, where int8 is 1.4-1.8x faster
+    # (AMD EPYC Zen 4, docs/performance.md).
+    out = x.new_empty(rows, weights[0].shape[0]) if kind == "lm_head" else None
     samples: dict[str, list[float]] = {p: [] for p in paths}
     long_warm = False  # every warm-up call at least LONG_CALL_S: each is a sample
     for n, group in enumerate(groups):
         if long_warm and samples_per_path > 1 and n == len(groups) - 1:
             break  # one call fewer: a single sample stays two calls (one call's time swung by 1.6x on Zen 3)
         for p in paths:
-            samples[p].append(timer(kind, p, rows, functools.partial(_run, group, x, p)) / len(group))
+            samples[p].append(timer(kind, p, rows, functools.partial(_run, group, x, p, out)) / len(group))
         long_warm = long_warm or (n == 0 and warm and all(s[0] * len(group) >= LONG_CALL_S for s in samples.values()))
     skip = int(warm and not long_warm)
     for p, s in samples.items():

@@ -228,24 +228,31 @@ class Int8Weight:
         outliers, the input channels largest in this call go through the plain weight and the rest through int8, as
         LLM.int8() splits them: a few channels of the model's hidden state run 10-25x the median, and one int8 scale
         per row that holds them leaves the others a few steps each."""
-        big = w = None
+        kernel = self.packed is not None if kernel is None else kernel
+        qmax = self.ext.int8_gemm_input_max() if kernel else 127
+        x = x.contiguous()
         if self.outliers and x.shape[0] > 0:  # their product is added as the int8 one is written (one rounding)
-            channels = x.abs().amax(dim=0).topk(self.outliers).indices
-            big, x = x.index_select(1, channels).float(), x.index_fill(1, channels, 0)
-            w = self.plain_t.index_select(0, channels)
-        return self._int8_mm(x, bias, self.packed is not None if kernel is None else kernel, big, w, out)
+            # one C++ pass picks them (amax(0).topk), quantises the rest and keeps theirs; the kernels read their
+            # rows of plain_t in place (with four torch ops and a gather, 1.5 MB of the lm_head's, a 1-row call took
+            # 1.67 ms instead of 1.41, Zen 4: docs/performance.md)
+            q, scale, channels, big = self.ext.split_outliers_int8(x, self.outliers, qmax)
+            return self._int8_mm(q, scale, x, bias, kernel, out, (big, self.plain_t, channels))
+        q, scale = self.ext.quantize_rows_int8(x, qmax)
+        return self._int8_mm(q, scale, x, bias, kernel, out, ())
 
-    def _int8_mm(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool, big: torch.Tensor | None,
-                 w: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        q, scale = self.ext.quantize_rows_int8(x.contiguous(), self.ext.int8_gemm_input_max() if kernel else 127)
+    def _int8_mm(self, q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: bool, out: torch.Tensor | None, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The product of the quantised rows q (scale) into `out` (new, x's dtype, if None); `extra`: the outlier
+        channels' (extra_x, plain_t, channels) or ()."""
         out = x.new_empty(x.shape[0], self.out_features) if out is None else out
         if kernel:
-            self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out, big, w)
+            self.ext.int8_gemm(q, self.packed, scale, self.scale, bias, out, *extra)
             return out
         for cols in self.blocks:
             acc = torch._int_mm(q, self.q_t[:, cols])
+            blocked = (extra[0], extra[1][:, cols], extra[2]) if extra else ()
             self.ext.dequantize_int32(acc, scale, self.scale[cols], None if bias is None else bias[cols], out[:, cols],
-                                      big, None if w is None else w[:, cols])
+                                      *blocked)
         return out
 
 

@@ -12,7 +12,8 @@ at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const 
 bool int4_linear_f32_supported();
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w);
+               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w,
+               const c10::optional<at::Tensor>& extra_rows);
 bool int8_gemm_supported();
 int64_t int8_gemm_input_max();
 std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k);
@@ -23,7 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_f32", &int4_linear_f32);
   m.def("int4_linear_f32_supported", &int4_linear_f32_supported);
   m.def("int8_gemm", &int8_gemm, py::arg("q"), py::arg("packed"), py::arg("row_scale"), py::arg("col_scale"),
-        py::arg("bias"), py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none());
+        py::arg("bias"), py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(),
+        py::arg("extra_rows") = py::none());
   m.def("int8_gemm_supported", &int8_gemm_supported);
   m.def("int8_gemm_input_max", &int8_gemm_input_max);
   m.def("top_k_logsumexp", &top_k_logsumexp);

@@ -212,6 +212,34 @@ def test_each_sample_runs_on_weights_no_earlier_sample_touched():
     assert kernel_timing.sample_groups(layers[:2], 1, 2) == [layers[:2], layers[:2]]
 
 
+def test_the_lm_heads_int8_paths_are_timed_into_one_kept_output(ext, monkeypatch):
+    """As the greedy logits pass runs them (LlamaModel._scratch_logits): a fresh output at each call faulted its pages
+    in at each new row count and made the int8 kernel lose the biggest row count it was timed at once. Other kinds
+    make their own outputs, as in a step."""
+    head, qkv = Int8Weight(PLAIN, ext, int_mm=True), Int8Weight(PLAIN, ext, int_mm=True)
+    outs: dict[int, list[tuple[int, torch.Tensor | None]]] = {id(head): [], id(qkv): []}
+    real = Int8Weight.mm
+
+    def recording(self, x, bias=None, kernel=None, out=None):
+        outs[id(self)].append((x.shape[0], out))
+        return real(self, x, bias, kernel, out)
+
+    monkeypatch.setattr(Int8Weight, "mm", recording)
+    for kind, weight in (("lm_head", head), ("qkv", qkv)):
+        packed = PackedWeight(PLAIN, int8=weight)
+        paths = [p for p in kernel_timing.PATHS if p in packed.paths()]  # int8_mm too where oneDNN's int8 is exact
+        times = {p: [None] * 8 for p in paths}
+        kernel_timing.time_bucket([packed], kind, list(kernel_timing.LM_HEAD_BUCKETS), 5, paths, torch.float32,
+                                  lambda k, p, r, run: (run(), 1e-3)[1], times)
+        assert all(times[p][5] is not None for p in paths)
+    int8_calls = (len(paths) - 1) * (kernel_timing.SAMPLES + 1)  # a warm-up and the samples of each int8 path
+    assert len(outs[id(qkv)]) == int8_calls and all(out is None for _, out in outs[id(qkv)])
+    assert len(outs[id(head)]) == int8_calls
+    rows, first = outs[id(head)][0]
+    assert first is not None and first.shape == (rows, PLAIN.shape[0]) == (32, 64)
+    assert all(out is first for _, out in outs[id(head)])  # one buffer for every call, as a step's
+
+
 def test_a_time_out_of_line_with_its_neighbour_is_measured_again(ext, monkeypatch):
     """A neighbour's load stalls the samples of one row count: 8 rows slower than 16 makes both be timed again, and
     the stall does not decide the winner."""

@@ -43,8 +43,11 @@ def test_the_avx2_build_gives_the_exact_sums_and_the_same_bits(haswell, ext, row
     row_scale, col_scale = torch.rand(rows, generator=gen) / 100, torch.rand(cols, generator=gen) / 100
     big, extra_w = torch.randn(rows, 3, generator=gen) * 20, torch.randn(3, cols, generator=gen)
     bias = torch.randn(cols, generator=gen)
+    whole, picked = torch.randn(5, cols, generator=gen), torch.tensor([4, 0, 2])  # rows read in place by index
+    whole[picked] = extra_w
     for dtype in (torch.float32, torch.bfloat16):
-        for b, extra in ((None, ()), (bias.to(dtype), ()), (None, (big, extra_w.to(dtype)))):
+        for b, extra in ((None, ()), (bias.to(dtype), ()), (None, (big, extra_w.to(dtype))),
+                         (None, (big, whole.to(dtype), picked))):
             out, ref = torch.empty(rows, cols, dtype=dtype), torch.empty(rows, cols, dtype=dtype)
             haswell.int8_gemm(q, packed, row_scale, col_scale, b, out, *extra)
             if b is None:  # dequantize_int32 adds a bias in its own rounding; the VNNI kernel's epilogue as this one

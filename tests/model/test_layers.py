@@ -532,6 +532,68 @@ def test_int8_gemm_adds_the_outlier_product_as_dequantize_int32_does(ext, rows: 
         ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, acc, big, wide[:, 28:].contiguous())
 
 
+def test_the_outlier_rows_are_read_from_the_whole_weight_by_index(ext) -> None:
+    """extra_rows [E]: channel j's weights are extra_w's row extra_rows[j] (Int8Weight passes its whole transposed
+    weight, nothing gathered): the same bits as the gathered rows, on both int8 paths; a row it does not have is an
+    error, not a read past it."""
+    if not ext.int8_gemm_supported():
+        pytest.skip("no int8_gemm in this build")
+    rows, cols, inputs = 7, 100, 64
+    q, w = random_int8((rows, inputs), 3, ext.int8_gemm_input_max()), random_int8((cols, inputs), 4)
+    gen = torch.Generator().manual_seed(2)
+    row_scale, col_scale = torch.rand(rows, generator=gen) / 100, torch.rand(cols, generator=gen) / 100
+    big, whole = torch.randn(rows, 3, generator=gen) * 20, torch.randn(inputs, cols + 28, generator=gen)
+    picked = torch.tensor([40, 3, 63])
+    acc = torch.empty(rows, cols, dtype=torch.int32)
+    ext.int8_gemm(q, Int8Weight.pack(w), None, None, None, acc)
+    for w_dtype in (torch.float32, torch.bfloat16):
+        wide = whole.to(w_dtype)[:, 28:]  # a block of columns: rows 128 apart
+        gathered = wide.index_select(0, picked).contiguous()
+        outs = [torch.empty(rows, cols, dtype=torch.bfloat16) for _ in range(4)]
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, outs[0], big, gathered)
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, outs[1], big, wide, picked)
+        ext.dequantize_int32(acc, row_scale, col_scale, None, outs[2], big, gathered)
+        ext.dequantize_int32(acc, row_scale, col_scale, None, outs[3], big, wide, picked)
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    for bad, match in [(torch.tensor([40, 3, 64]), "not a row"), (torch.tensor([40, -1, 3]), "not a row"),
+                       (torch.tensor([40, 3]), "int64 \\[E\\]"), (picked.int(), "int64")]:
+        with pytest.raises(RuntimeError, match=match):
+            ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, outs[0], big, wide, bad)
+        with pytest.raises(RuntimeError, match=match):
+            ext.dequantize_int32(acc, row_scale, col_scale, None, outs[0], big, wide, bad)
+    with pytest.raises(RuntimeError, match="extra_w"):  # without extra_rows, extra_w has one row a channel
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, outs[0], big, wide)
+    with pytest.raises(RuntimeError, match="needs extra_x"):
+        ext.int8_gemm(q, Int8Weight.pack(w), row_scale, col_scale, None, outs[0], None, None, picked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_outliers_int8_is_topk_index_fill_and_quantize_in_one_pass(ext, dtype: torch.dtype) -> None:
+    """The E channels largest over the rows, largest first (amax(0).topk's), each row quantised with them zeroed,
+    and their values in fp32: what Int8Weight.mm did with four torch ops and a gather, the same bits. Equal
+    magnitudes: the lower channel first; a NaN counts as largest, and the other rows stay as they were."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 64, generator=gen)
+    x[:, [5, 17, 60]] *= torch.tensor([30.0, 10.0, 20.0])
+    x = x.to(dtype)
+    q, scale, channels, extra = ext.split_outliers_int8(x, 3, 100)
+    assert channels.tolist() == [5, 60, 17] == x.abs().amax(0).float().topk(3).indices.tolist()
+    ref_q, ref_scale = ext.quantize_rows_int8(x.index_fill(1, channels, 0), 100)
+    assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    assert torch.equal(extra, x.index_select(1, channels).float())
+    tied = torch.zeros(2, 8, dtype=dtype)
+    tied[0, 6], tied[1, 2], tied[0, 4] = 3.0, -3.0, 1.0
+    assert ext.split_outliers_int8(tied, 3)[2].tolist() == [2, 6, 4]
+    x[4, 30] = float("nan")
+    q, scale, channels, extra = ext.split_outliers_int8(x, 1, 127)
+    assert channels.tolist() == [30] and extra[4, 0].isnan() and extra[:4].isfinite().all()
+    rest = torch.cat([x[:4], x[5:]]).index_fill(1, channels, 0)
+    assert torch.equal(torch.cat([q[:4], q[5:]]), ext.quantize_rows_int8(rest)[0])
+    for E in (0, 65):
+        with pytest.raises(RuntimeError, match="E must be"):
+            ext.split_outliers_int8(x, E)
+
+
 def test_int8_gemm_writes_a_block_of_columns(ext) -> None:
     """out may be a block of columns of a wider tensor: only that block is written."""
     if not ext.int8_gemm_supported():

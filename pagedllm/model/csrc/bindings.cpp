@@ -28,12 +28,14 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const a
                           const at::Tensor& mins);
 bool int4_linear_q8_supported();
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax);
+std::vector<at::Tensor> split_outliers_int8(const at::Tensor& x, int64_t E, int64_t qmax);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                       const c10::optional<at::Tensor>& bias, at::Tensor& out, const c10::optional<at::Tensor>& extra_x,
-                      const c10::optional<at::Tensor>& extra_w);
+                      const c10::optional<at::Tensor>& extra_w, const c10::optional<at::Tensor>& extra_rows);
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w);
+               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w,
+               const c10::optional<at::Tensor>& extra_rows);
 bool int8_gemm_supported();
 int64_t int8_gemm_input_max();
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
@@ -72,13 +74,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("quantize_rows_int8", &quantize_rows_int8, "Each row to int8 within +-qmax with its own scale (absmax / qmax)",
         py::arg("x"), py::arg("qmax") = 127, nogil);
+  m.def("split_outliers_int8", &split_outliers_int8, "The E input channels largest over the rows (channels [E]), "
+        "each row quantised without them (q, scale) and their values in fp32 (extra_x [M, E])", py::arg("x"),
+        py::arg("E"), py::arg("qmax") = 127, nogil);
   m.def("dequantize_int32", &dequantize_int32, "out = acc * row_scale[:, None] * col_scale[None, :] (+ bias) "
-        "(+ extra_x @ extra_w)", py::arg("acc"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
-        py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
+        "(+ extra_x @ extra_w[extra_rows])", py::arg("acc"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"),
+        py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(),
+        py::arg("extra_rows") = py::none(), nogil);
   m.def("int8_gemm", &int8_gemm, "out = (q @ W.T) * row_scale[:, None] * col_scale[None, :] (+ bias) (+ extra_x @ "
-        "extra_w) for an int8 weight packed for it (Int8Weight.pack); the raw int32 sums when out is int32",
+        "extra_w[extra_rows]) for an int8 weight packed for it (Int8Weight.pack); the raw int32 sums when out is int32",
         py::arg("q"), py::arg("packed"), py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("out"),
-        py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), nogil);
+        py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(), py::arg("extra_rows") = py::none(), nogil);
   m.def("bf16_gemm", &bf16_gemm, "x @ W.T in bf16 for a weight packed in panels of 64 columns (Bf16Weight.pack)",
         nogil);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "Whether this build has bf16_gemm's instructions");

@@ -5,7 +5,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
-// Checks x [M, E] (contiguous float32) and w [E, N] (float32 or bfloat16, rows contiguous, any row stride): both or
-// neither. Returns E (0: none).
-int64_t extra_check(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& w, int64_t M, int64_t N);
+// Checks x [M, E] (contiguous float32) and w (float32 or bfloat16, rows contiguous, any row stride, N columns): both
+// or neither. Without `rows`, w is [E, N], one row a channel; with it (int64 [E]), channel j is w's row rows[j]
+// (the whole transposed weight passed as it is, nothing gathered). Returns each channel's offset into w, in
+// elements (none: no extra product).
+std::vector<int64_t> extra_offsets(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& w,
+                                   const c10::optional<at::Tensor>& rows, int64_t M, int64_t N);

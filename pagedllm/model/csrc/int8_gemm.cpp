@@ -60,8 +60,9 @@ struct Epilogue {
   T* out;
   int64_t ldo, n;          // row stride of out, valid columns
   const float* extra_x = nullptr;  // [M, E]: inputs kept out of the int8 product (Int8Weight's outlier channels)
-  const W* extra_w = nullptr;      // [E, N] (row stride ldw): their rows of the plain weight
-  int64_t E = 0, ldw = 0;
+  const W* extra_w = nullptr;      // the plain weight's rows, N columns each: channel j's at extra_w + extra_off[j]
+  const int64_t* extra_off = nullptr;
+  int64_t E = 0;
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -139,7 +140,7 @@ inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64
     for (int64_t j = 0; j < e.E; ++j) {
       __m512 w[kTiles];
 #pragma GCC unroll 4
-      for (int c = 0; c < kTiles; ++c) w[c] = load(e.extra_w + j * e.ldw + col0 + c * kTile, masks[c]);
+      for (int c = 0; c < kTiles; ++c) w[c] = load(e.extra_w + e.extra_off[j] + col0 + c * kTile, masks[c]);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 xe = _mm512_set1_ps(e.extra_x[(row0 + r) * e.E + j]);
@@ -206,7 +207,8 @@ int64_t int8_gemm_input_max() { return kInputMax; }
 
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w) {
+               const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w,
+               const c10::optional<at::Tensor>& extra_rows) {
   TORCH_CHECK(kSupported, "int8_gemm needs AVX512-VNNI, or AVX2 and FMA (this build has neither)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "q must be a contiguous int8 CPU matrix [M, K]");
@@ -225,7 +227,8 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
   const at::ScalarType dtype = out.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kInt, "out must be float32, bfloat16 "
               "or int32 (the raw sums)");
-  const int64_t E = extra_check(extra_x, extra_w, M, N);
+  const std::vector<int64_t> off = extra_offsets(extra_x, extra_w, extra_rows, M, N);
+  const int64_t E = static_cast<int64_t>(off.size());
   if (dtype == at::kInt) {
     TORCH_CHECK(!row_scale.has_value() && !col_scale.has_value() && !bias.has_value() && E == 0,
                 "int32 output takes no scales, bias or extra product");
@@ -262,8 +265,7 @@ void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optiona
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
     const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
     gemm<T, W>(q8, M, K, pk, P, {xsum128.data(), row_scale->data_ptr<float>(), col_scale->data_ptr<float>(), b, o,
-                                 out.stride(0), N, E ? extra_x->data_ptr<float>() : nullptr, w, E,
-                                 E ? extra_w->stride(0) : 0});
+                                 out.stride(0), N, E ? extra_x->data_ptr<float>() : nullptr, w, off.data(), E});
   };
   const bool w32 = E && extra_w->scalar_type() == at::kFloat;
   const auto with_w = [&](auto* o) {

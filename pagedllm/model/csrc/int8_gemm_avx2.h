@@ -69,7 +69,7 @@ inline void slice_out(__m256i (&acc)[R], int64_t row0, int64_t c, int valid, con
       v[r] = e.bias == nullptr ? _mm256_mul_ps(a, cs) : _mm256_fmadd_ps(a, cs, load8(e.bias + c, valid));
     }
     for (int64_t j = 0; j < e.E; ++j) {
-      const __m256 w = load8(e.extra_w + j * e.ldw + c, valid);
+      const __m256 w = load8(e.extra_w + e.extra_off[j] + c, valid);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) v[r] = _mm256_fmadd_ps(_mm256_set1_ps(e.extra_x[(row0 + r) * e.E + j]), w, v[r]);
     }
