@@ -332,10 +332,9 @@ class LlamaModel:
         values, ids, lse = self.ext.top_k_logsumexp(logits, min(RESCORE_TOP_K, logits.shape[-1]))
         if self.exact_logits:
             return values, ids, lse
-        exact = self._exact_logits(hidden, ids).masked_fill_(values == float("-inf"), float("-inf"))
-        # Swap the candidates' rounded terms in the sum for their exact ones.
-        rest = (1 - (values - lse[:, None]).exp().sum(-1)).clamp_min(0)
-        lse = lse + (rest + (exact - lse[:, None]).exp().sum(-1)).log()
+        # The candidates in fp32 and the logsumexp with their rounded terms swapped for the exact ones, in one C++
+        # pass (a gather, an einsum and eight torch ops took 0.6 ms of a 1-row step's 2.6-ms logits pass, Zen 4).
+        exact, lse = self.ext.rescore_top_k(hidden.contiguous(), self.lm_head, values, ids, lse)
         return exact, ids, lse
 
     def _scratch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -352,6 +351,9 @@ class LlamaModel:
         return weight.mm(hidden, out=buffer[:rows])
 
     def _exact_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [S, k] of the token ids [S, k] (index_select: advanced indexing took 4-6x longer here)."""
+        """fp32 logits [S, k] of the token ids [S, k]: the C++ pass top_logits' rescoring makes (the same values), or
+        without the kernels a gather and an einsum (index_select: advanced indexing took 4-6x longer here)."""
+        if self.ext is not None:
+            return self.ext.exact_logits(hidden.contiguous(), self.lm_head, ids.contiguous())
         rows = self.lm_head.index_select(0, ids.reshape(-1)).view(*ids.shape, -1)
         return torch.einsum("sd,skd->sk", hidden.float(), rows.float())

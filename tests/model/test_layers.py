@@ -128,6 +128,44 @@ def test_top_k_logsumexp(ext, dtype: torch.dtype) -> None:
     assert ids[1].tolist() == list(range(100, 116))
 
 
+@pytest.mark.parametrize(("hidden_dtype", "weight_dtype"), [(torch.bfloat16, torch.bfloat16),
+                                                            (torch.float32, torch.bfloat16),
+                                                            (torch.float32, torch.float32)])
+def test_rescore_top_k_recomputes_the_candidates_and_their_logsumexp(ext, hidden_dtype, weight_dtype) -> None:
+    """The greedy pass's candidates in fp32 (hidden . weight[id], as a gather and an einsum give them), -inf where
+    top_k_logsumexp had none (a grammar's forbidden tokens), and the logsumexp of the rounded logits with those
+    candidates' terms swapped for their exact ones: the full fp32 logsumexp where the rest was rounded alike."""
+    g = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(6, 72, generator=g) * 2).to(hidden_dtype)  # 72: 16-lane blocks and a tail
+    weight = torch.randn(3000, 72, generator=g).to(weight_dtype)
+    full = hidden.float() @ weight.float().T
+    rounded = full.bfloat16()
+    rounded[5, 16:] = float("-inf")  # a grammar allowed 16 tokens on row 5, 10 on row 4
+    rounded[4, 10:] = float("-inf")
+    values, ids, lse = ext.top_k_logsumexp(rounded, 16)
+    exact, new_lse = ext.rescore_top_k(hidden, weight, values, ids, lse)
+    rows = weight.index_select(0, ids.reshape(-1)).view(6, 16, -1)
+    gathered = torch.einsum("sd,skd->sk", hidden.float(), rows.float())
+    torch.testing.assert_close(ext.exact_logits(hidden, weight, ids), gathered, rtol=1e-6, atol=1e-5)
+    allowed = values != float("-inf")
+    assert torch.equal(exact[allowed], ext.exact_logits(hidden, weight, ids)[allowed])
+    assert (exact[~allowed] == float("-inf")).all() and (~allowed).sum() == 6
+    # what compute_logits makes of the same rows: its allowed candidates swapped in (row 4's -inf ones carry id 0)
+    swapped = torch.stack([row.float().scatter(0, i[a], e[a]) for row, i, e, a in zip(rounded, ids, exact, allowed)])
+    torch.testing.assert_close(new_lse, swapped.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    assert (new_lse[:4] - full[:4].logsumexp(-1)).abs().max() < (lse[:4] - full[:4].logsumexp(-1)).abs().max()
+    for bad, match in [(ids + 3000, "tokens below"), (ids - 3000, "tokens below"), (ids.int(), "int64"),
+                       (ids[:5], "int64 \\[6, k\\]")]:
+        with pytest.raises(RuntimeError, match=match):
+            ext.rescore_top_k(hidden, weight, values, bad, lse)
+    with pytest.raises(RuntimeError, match="weight"):
+        ext.exact_logits(hidden, weight[:, :64], ids)
+    with pytest.raises(RuntimeError, match="values"):
+        ext.rescore_top_k(hidden, weight, values[:, :8], ids, lse)
+    with pytest.raises(RuntimeError, match="lse"):
+        ext.rescore_top_k(hidden, weight, values, ids, lse[:5])
+
+
 def test_greedy_logits_over_the_kept_buffer_equal_fresh_ones_whatever_the_call_sizes(tiny_model_dir) -> None:
     """top_logits writes the int8 lm_head's logits into a buffer kept across calls (a fresh one past 32 MiB is mapped
     and faulted in at every step): calls that grow, shrink and grow it again each give what a fresh product gives."""

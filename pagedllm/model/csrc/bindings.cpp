@@ -27,6 +27,9 @@ bool int4_linear_f16_supported();
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins);
 bool int4_linear_q8_supported();
+at::Tensor exact_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids);
+std::vector<at::Tensor> rescore_top_k(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& values,
+                                      const at::Tensor& ids, const at::Tensor& lse);
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax);
 std::vector<at::Tensor> split_outliers_int8(const at::Tensor& x, int64_t E, int64_t qmax);
 void dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
@@ -57,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused [gate | up] projection", nogil);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half convention", nogil);
   m.def("top_k_logsumexp", &top_k_logsumexp, "Each row's k largest logits (values, ids) and its logsumexp", nogil);
+  m.def("exact_logits", &exact_logits, "fp32 logits [S, k] of the token ids [S, k]: hidden [S, D] . weight[ids]",
+        nogil);
+  m.def("rescore_top_k", &rescore_top_k, "top_k_logsumexp's candidates in fp32 (exact_logits; -inf where values are) "
+        "and the logsumexp with their rounded terms swapped for the exact ones: (exact, lse)", nogil);
   m.def("int4_linear", &int4_linear, "x @ W.T for 4-bit GGUF weights (w = q * d + m per 32 inputs)", nogil);
   m.def("int4_linear_supported", &int4_linear_supported, "Whether this build has int4_linear's instructions");
   m.def("int4_linear_f32", &int4_linear_f32, "x @ W.T in fp32 for 4-bit GGUF weights (w = fma(q, d, m) per 32 "

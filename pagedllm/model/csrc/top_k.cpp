@@ -1,5 +1,6 @@
 // The greedy logits pass: each row's k largest logits and its logsumexp in one read of the row
-// (LlamaModel.top_logits), so that no fp32 [S, vocab] tensor, full-vocabulary topk or logsumexp is made.
+// (LlamaModel.top_logits), so that no fp32 [S, vocab] tensor, full-vocabulary topk or logsumexp is made; then, in a
+// bf16 model, those candidates' logits recomputed in fp32 and the logsumexp corrected with them (rescore_top_k).
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -156,7 +157,100 @@ void top_k_logsumexp_row(const T* row, int64_t V, int64_t k, float* top_v, int64
   *lse = m + std::log(s);
 }
 
+// 16 values as fp32 lanes: bf16 widened (its bits are an fp32's top half).
+inline v16 widen16(const float* p) { return vload16(p); }
+inline v16 widen16(const at::BFloat16* p) {
+  uint16_t h[16];
+  std::memcpy(h, p, sizeof(h));
+  vu16 u;
+  for (int i = 0; i < 16; ++i) u[i] = static_cast<uint32_t>(h[i]) << 16;
+  return (v16)u;
+}
+
+// x (D fp32 values) . w (D values of W), in fp32.
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t D) {
+  v16 acc = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc += vload16(x + d) * widen16(w + d);
+  float s = hsum16(acc);
+  for (; d < D; ++d) s += x[d] * static_cast<float>(w[d]);
+  return s;
+}
+
+// exact[s][j] = hidden[s] . weight[ids[s][j]] in fp32 for S rows of k ids, each row's hidden state widened once.
+template <typename H, typename W>
+void exact_rows(const H* hidden, const W* weight, int64_t ldw, const int64_t* ids, int64_t S, int64_t k, int64_t D,
+                float* exact) {
+  at::parallel_for(0, S, 8, [&](int64_t s0, int64_t s1) {
+    std::vector<float> x(D);
+    for (int64_t s = s0; s < s1; ++s) {
+      for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(hidden[s * D + d]);
+      for (int64_t j = 0; j < k; ++j) exact[s * k + j] = dot(x.data(), weight + ids[s * k + j] * ldw, D);
+    }
+  });
+}
+
+// Checks hidden [S, D], weight [V, D] (rows contiguous) and ids int64 [S, k] within the vocabulary, then fills
+// exact [S, k] (fp32) by exact_rows.
+void exact_logits_into(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, at::Tensor& exact) {
+  check_rows(hidden, "hidden");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.size(1) == hidden.size(1) &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+                  (weight.size(1) <= 1 || weight.stride(1) == 1),
+              "weight must be float32 or bfloat16 [vocab, ", hidden.size(1), "] with contiguous rows");
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.is_contiguous() &&
+                  ids.size(0) == hidden.size(0), "ids must be a contiguous int64 [", hidden.size(0), ", k]");
+  const int64_t S = ids.size(0), k = ids.size(1), D = hidden.size(1), V = weight.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(id, id + S * k, [&](int64_t t) { return t >= 0 && t < V; }), "ids must be tokens below ",
+              V);
+  exact = at::empty({S, k}, hidden.options().dtype(at::kFloat));
+  const auto run = [&](const auto* h) {
+    if (weight.scalar_type() == at::kFloat)
+      exact_rows(h, weight.data_ptr<float>(), weight.stride(0), id, S, k, D, exact.data_ptr<float>());
+    else
+      exact_rows(h, weight.data_ptr<at::BFloat16>(), weight.stride(0), id, S, k, D, exact.data_ptr<float>());
+  };
+  if (hidden.scalar_type() == at::kFloat) run(hidden.data_ptr<float>());
+  else run(hidden.data_ptr<at::BFloat16>());
+}
+
 }  // namespace
+
+at::Tensor exact_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids) {
+  at::Tensor exact;
+  exact_logits_into(hidden, weight, ids, exact);
+  return exact;
+}
+
+std::vector<at::Tensor> rescore_top_k(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& values,
+                                      const at::Tensor& ids, const at::Tensor& lse) {
+  at::Tensor exact;
+  exact_logits_into(hidden, weight, ids, exact);
+  const int64_t S = ids.size(0), k = ids.size(1);
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.sizes() == ids.sizes(),
+              "values must be a contiguous float32 [S, k], as ids");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 1 && lse.size(0) == S,
+              "lse must be a contiguous float32 [S]");
+  at::Tensor out_lse = at::empty({S}, lse.options());
+  const float *v = values.data_ptr<float>(), *l = lse.data_ptr<float>();
+  float *e = exact.data_ptr<float>(), *ol = out_lse.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) {
+    // a candidate the grammar left out (-inf) stays out; the rest swap their rounded term in the sum for the exact one
+    float rest = 1.0f, swapped = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      if (v[s * k + j] == -INFINITY) {
+        e[s * k + j] = -INFINITY;
+        continue;
+      }
+      rest -= std::exp(v[s * k + j] - l[s]);
+      swapped += std::exp(e[s * k + j] - l[s]);
+    }
+    ol[s] = l[s] + std::log(std::max(rest, 0.0f) + swapped);
+  }
+  return {exact, out_lse};
+}
 
 std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k) {
   check_rows(logits, "logits");

@@ -5,6 +5,7 @@ the fp32 rescoring of the 16 candidates; and the lm_head call with and without i
 ops the split ran before (picking the channels, selecting and zeroing them, gathering their weight rows).
     python logits_parts.py
 """
+# ruff: noqa: B023 (each iteration's lambdas are called within it)
 import statistics
 import time
 

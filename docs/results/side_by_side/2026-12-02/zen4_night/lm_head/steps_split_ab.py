@@ -1,8 +1,10 @@
 """A decode step of BATCH sequences (~300 tokens of context, no drafts), the lm_head's outlier split as before
 (torch ops picking the channels, their rows of the plain weight gathered each call) against split_outliers_int8 with
-the rows read in place, alternating step by step in one engine; median and best of 40 each:
+the rows read in place, alternating step by step in one engine; median and best of STEPS
+(default 40) each, in a fixed order (STEPS set: ABBA):
     python steps_ab.py 1 4 16 64
 """
+import os
 import random
 import statistics
 import sys
@@ -33,6 +35,8 @@ def before(x, bias=None, kernel=None, out=None):
                              None if bias is None else bias[cols], out[:, cols], big, w[:, cols])
     return out
 
+STEPS = int(os.environ.get("STEPS", "40"))  # steps of each side per batch
+ABBA = "STEPS" in os.environ  # the first runs (40 steps) kept one order; later ones alternate it
 rng = random.Random(0)
 print("| batch | now ms (median, best) | before ms (median, best) | now / before (medians) |")
 print("|---:|---:|---:|---:|")
@@ -45,8 +49,8 @@ for batch in map(int, sys.argv[1:]):
     for _ in range(3):
         engine.step()
     times = {"now": [], "before": []}
-    for _ in range(40):
-        for side in times:
+    for n in range(STEPS):
+        for side in (list(times) if n % 2 == 0 or not ABBA else list(times)[::-1]):
             if side == "before":
                 head.mm = before
             else:
