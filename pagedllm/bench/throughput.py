@@ -47,7 +47,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     recorder = BreakdownRecorder(llm.engine) if args.breakdown else contextlib.nullcontext()
     start = time.perf_counter()
     with recorder:
-        n_out = run_workload(llm, requests)
+        n_out = run_workload(llm, requests, sampling_overrides(args))
     if trace is not None:
         trace.close()
         llm.engine.remove_step_observer(trace)
@@ -60,7 +60,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     result = {
         "model": llm.engine.model_name, "dtype": torch_dtype_name(config), "threads": config.num_threads,
         "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
-        "dataset": args.dataset, "seed": args.seed, "workload": workload,
+        "dataset": args.dataset, "seed": args.seed, "workload": workload, "sampling": sampling_overrides(args),
         "num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "load_s": round(load_s, 3),
         "requests_per_s": round(len(requests) / elapsed, 3),
@@ -147,14 +147,25 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
     return 0
 
 
-def run_workload(llm, requests: list[BenchRequest]) -> int:
+def sampling_overrides(args: argparse.Namespace) -> dict[str, float | int]:
+    """--temperature, --top-p, --top-k as SamplingParams fields; top-p or top-k alone sample at temperature 1."""
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if overrides and "temperature" not in overrides:
+        overrides["temperature"] = 1.0
+    return overrides
+
+
+def run_workload(llm, requests: list[BenchRequest], overrides: dict[str, float | int] | None = None) -> int:
     """Run every request with ignore_eos and max_tokens = its output length; the number of tokens generated
     (every sample, every final beam). Sampling requests are queued at once (greedy if n == 1, temperature 1 for
-    parallel samples); beam-search requests then run through LLM.beam_search, one call per (width, length)."""
+    parallel samples, unless `overrides` set the sampling); beam-search requests then run through
+    LLM.beam_search, one call per (width, length)."""
     sampled = [r for r in requests if not r.beam_width]
-    outs = llm.generate([{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in sampled],
-                        [SamplingParams(n=r.n, temperature=0.0 if r.n == 1 else 1.0, max_tokens=r.output_len,
-                                        ignore_eos=True) for r in sampled], use_tqdm=True) if sampled else []
+    params = [SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
+                             **{"temperature": 0.0 if r.n == 1 else 1.0, **(overrides or {})}) for r in sampled]
+    outs = llm.generate([{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in sampled], params,
+                        use_tqdm=True) if sampled else []
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     groups: dict[tuple[int, int], list[BenchRequest]] = {}
     for r in requests:
@@ -183,6 +194,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--n", type=int, default=4, help="parallel-sampling dataset: samples per request")
     tp.add_argument("--beam-width", type=int, default=4, help="beam-search dataset: beams per request")
     tp.add_argument("--prefix-len", type=int, default=200, help="shared-prefix dataset: tokens of the shared prefix")
+    tp.add_argument("--temperature", type=float, default=None, help="sample every request at this temperature "
+                    "(default: greedy, or 1.0 for parallel samples)")
+    tp.add_argument("--top-p", type=float, default=None, help="sample every request with this top-p")
+    tp.add_argument("--top-k", type=int, default=None, help="sample every request with this top-k")
     tp.add_argument("--output-json", default=None)
     tp.add_argument("--save-workload", default=None, metavar="PATH", help="write the sampled requests as JSONL "
                     '({"prompt_token_ids", "output_len"}), to run the same requests on another engine')

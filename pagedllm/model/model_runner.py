@@ -312,7 +312,9 @@ class ModelRunner:
         with self.timer.part("logits", opaque=True):  # the lm_head's matmul counts here
             logits = self.model.top_logits(hidden, grammar) if greedy else self.model.compute_logits(hidden)
         with self.timer.part("sampling"):
-            return sample_greedy_from_top(*logits, batch.banned) if greedy else sample(logits, batch, self.rng)
+            if greedy:
+                return sample_greedy_from_top(*logits, batch.banned)
+            return sample(logits, batch, self.rng, self.model.ext)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (src, dst) block of the step in one batched gather/scatter per cache tensor."""

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -160,8 +161,11 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # int64 [S], 1-based rank of the chosen token (only when logprobs are asked)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None = None,
+           ext: ModuleType | None = None) -> SamplerOutput:
     """Pick one token per row of logits [S, V] (any float dtype; computed in float32); unseeded rows draw from `rng`.
+    With the C++ kernels (`ext`), top-p is found by selection and the draw takes one uniform per row
+    (csrc/sampling.cpp).
 
     Logprobs (chosen and top-K) are those of the model output after the grammar mask, log_softmax(logits) before
     penalties, temperature and truncation, as vLLM V1 returns by default ("raw_logprobs").
@@ -179,10 +183,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | No
     if batch.all_greedy:
         token_ids = x.argmax(dim=-1)
     elif batch.all_random:
-        token_ids = _sample_random(x, batch, rng)
+        token_ids = _sample_random(x, batch, rng, ext)
     else:
-        token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch, rng))
-    return _logprobs(raw, token_ids, batch.num_logprobs)
+        token_ids = torch.where(batch.greedy, x.argmax(dim=-1), _sample_random(x, batch, rng, ext))
+    return _logprobs(raw, token_ids, batch.num_logprobs, ext)
 
 
 def sample_greedy_from_top(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
@@ -225,27 +229,43 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None) -> torch.Tensor:
-    """Temperature, truncation, then vLLM's exponential-race draw (argmax p/q, q ~ Exp(1)): each seeded row
-    fills its q from its own generator, so its draw does not depend on the other rows. q is made as -log(U),
-    U uniform: the same Exp(1) noise, but about 4x cheaper on CPU than Tensor.exponential_."""
-    x = logits / batch.temperature[:, None]  # a fresh tensor: in-place from here on is safe
-    if batch.top_p is not None:
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Generator | None,
+                   ext: ModuleType | None) -> torch.Tensor:
+    """Temperature, truncation, then the draw. With the kernels: one uniform per row, by inverse CDF. Without:
+    vLLM's exponential race (argmax p/q, q ~ Exp(1), made as -log(U): the same noise, about 4x cheaper on CPU than
+    Tensor.exponential_). Each seeded row takes its uniforms from its own generator, so its draw does not depend on
+    the other rows."""
+    x = (logits / batch.temperature[:, None]).contiguous()  # a fresh tensor: in-place from here on is safe
+    if batch.top_p is not None and ext is not None and not _every_row_has_top_k(batch.top_k, x.shape[-1]):
+        x.masked_fill_(x < ext.truncation_threshold(x, batch.top_k, batch.top_p)[:, None], _NEG_INF)
+    elif batch.top_p is not None:  # with a top_k on every row, torch's topk of the widest k is the cheaper cut
         x = _top_k_top_p(x, batch.top_k, batch.max_top_k, batch.top_p)
     elif batch.top_k is not None:
         x = _top_k(x, batch.top_k, batch.max_top_k)
     if batch.min_p is not None:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); min_p == 0 gives -inf, keeping all.
         x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + batch.min_p.log()[:, None], _NEG_INF)
+    if ext is not None:
+        return ext.draw_rows(x, _uniforms(batch, rng, (batch.num_rows,)))
     probs = x.softmax(dim=-1)
-    u = torch.empty_like(probs)
+    u = _uniforms(batch, rng, probs.shape)
+    # U = 0 gives q = inf (the token loses); the clamp keeps q > 0, so a masked token never makes 0/0 = NaN.
+    q = u.log_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _uniforms(batch: SamplingBatch, rng: torch.Generator | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Uniforms in [0, 1) with one row per sampling row: seeded rows from their own generators, the rest from rng."""
+    u = torch.empty(shape, dtype=torch.float32)
     if len(batch.generators) < batch.num_rows:
         u.uniform_(generator=rng)
     for row, generator in batch.generators.items():
         u[row].uniform_(generator=generator)
-    # U = 0 gives q = inf (the token loses); the clamp keeps q > 0, so a masked token never makes 0/0 = NaN.
-    q = u.log_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return u
+
+
+def _every_row_has_top_k(top_k: torch.Tensor | None, vocab: int) -> bool:
+    return top_k is not None and bool((top_k < vocab).all())
 
 
 def _top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -266,8 +286,7 @@ def _top_k_top_p(
     When every row has a top_k, every survivor is among the widest top-k, so only those are sorted (a topk);
     otherwise the whole vocab is.
     """
-    vocab = x.shape[-1]
-    if top_k is not None and bool((top_k < vocab).all()):
+    if _every_row_has_top_k(top_k, x.shape[-1]):
         x_sorted, order = (t.flip(-1) for t in x.topk(max_top_k, dim=-1))
         out = torch.full_like(x, _NEG_INF)
     else:
@@ -284,9 +303,10 @@ def _top_k_top_p(
     return out.scatter_(-1, order, x_sorted)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:
-    """Logprobs of the raw distribution without materialising log_softmax: logit - logsumexp."""
-    lse = _logsumexp(raw)
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int | None, ext: ModuleType | None) -> SamplerOutput:
+    """Logprobs of the raw distribution without materialising log_softmax: logit - logsumexp (the kernels' one pass
+    over each row where they are built)."""
+    lse = _logsumexp(raw) if ext is None else ext.top_k_logsumexp(raw.contiguous(), 1)[2]
     chosen_logit = raw.gather(1, token_ids[:, None])
     chosen = chosen_logit.squeeze(1) - lse
     top = ranks = None

@@ -120,6 +120,28 @@ def test_throughput_with_parallel_samples_and_beams(tiny_model_dir, tmp_path):
     assert beams["workload"]["output_len"]["max"] == 3
 
 
+def test_throughput_samples_as_its_flags_say(tiny_model_dir, tmp_path, monkeypatch):
+    from pagedllm.entrypoints.llm import LLM
+
+    seen = []
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params, **kw: seen.extend(params) or generate(
+        self, prompts, params, **kw))
+    result = run_throughput(tiny_model_dir, tmp_path, "--num-prompts", "3", "--input-len", "20", "--output-len", "4",
+                            "--top-p", "0.9")
+    assert result["sampling"] == {"top_p": 0.9, "temperature": 1.0}  # top-p alone samples at temperature 1
+    assert [(p.temperature, p.top_p, p.top_k) for p in seen] == [(1.0, 0.9, -1)] * 3
+    assert result["output_tokens"] == 3 * 4
+    seen.clear()
+    result = run_throughput(tiny_model_dir, tmp_path, "--num-prompts", "2", "--input-len", "20", "--output-len", "4",
+                            "--temperature", "0.7", "--top-k", "5")
+    assert [(p.temperature, p.top_p, p.top_k) for p in seen] == [(0.7, 1.0, 5)] * 2
+    seen.clear()
+    assert run_throughput(tiny_model_dir, tmp_path, "--num-prompts", "2", "--input-len", "20",
+                          "--output-len", "4")["sampling"] == {}
+    assert all(p.greedy for p in seen)
+
+
 def test_throughput_rejects_a_bad_dataset_file(tiny_model_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")

@@ -127,9 +127,10 @@ def test_preemption_keeps_the_grammar_state(tiny_model_dir, llm):
     squeezed = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.stats().preemptions > 0
     assert [c.text for o in squeezed for c in o.outputs] == [c.text for o in roomy for c in o.outputs]
-    for o in squeezed:
-        for c in o.outputs:
-            jsonschema.validate(json.loads(c.text), PERSON)
+    finished = [c for o in squeezed for c in o.outputs if c.finish_reason == "stop"]
+    assert len(finished) >= 6  # of 8
+    for c in finished:  # a sample cut at max_tokens (a random model may pad its JSON with whitespace) is a prefix
+        jsonschema.validate(json.loads(c.text), PERSON)
     tight.engine.check_invariants()
     assert tight.engine.stats().blocks_in_use == 0
 

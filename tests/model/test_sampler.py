@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.model.sampler import SamplingBatch, _logsumexp, apply_penalties, sample
+from pagedllm.model import kernels
+from pagedllm.model.sampler import SamplingBatch, _logsumexp, _top_k_top_p, apply_penalties, sample
 from pagedllm.sampling_params import SamplingParams
 
 TINY_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
@@ -25,6 +26,23 @@ def build(params, vocab_size, prompt_ids=None, output_ids=None, generators=None,
         vocab_size,
         eos_token_ids=eos_token_ids,
     )
+
+
+@pytest.fixture(params=["torch", "kernels"])
+def ext(request):
+    """The sampler's two forms: plain torch, and with the C++ kernels (selection for top-p, one uniform per row)."""
+    if request.param == "torch":
+        return None
+    if kernels.load() is None:
+        pytest.skip(f"kernels not built: {kernels.build_error()}")
+    return kernels.load()
+
+
+@pytest.fixture
+def kernels_ext():
+    if kernels.load() is None:
+        pytest.skip(f"kernels not built: {kernels.build_error()}")
+    return kernels.load()
 
 
 def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:
@@ -90,11 +108,11 @@ def test_greedy_equals_argmax_any_dtype():
         f"{k}={v}" for k, v in vars(p).items() if k in ("temperature", "top_k", "top_p", "min_p")
     ),
 )
-def test_support_and_frequencies_match_renormalised_distribution(params):
+def test_support_and_frequencies_match_renormalised_distribution(params, ext):
     rows = 20_000
     torch.manual_seed(1234)
     logits = torch.tensor([TINY_LOGITS] * rows)
-    tokens = sample(logits, build([params] * rows, len(TINY_LOGITS))).token_ids
+    tokens = sample(logits, build([params] * rows, len(TINY_LOGITS)), ext=ext).token_ids
     expected = torch.tensor(reference_probs(TINY_LOGITS, params))
     freq = torch.bincount(tokens, minlength=len(TINY_LOGITS)).float() / rows
     assert set(tokens.tolist()) <= set(torch.nonzero(expected).flatten().tolist())
@@ -116,11 +134,11 @@ MIXED_GROUPS = [
     [MIXED_GROUPS, [*MIXED_GROUPS, SamplingParams(top_k=3, top_p=0.6)]],
     ids=["top-k-only path", "sort path"],
 )
-def test_each_row_keeps_its_own_parameters(groups):
+def test_each_row_keeps_its_own_parameters(groups, ext):
     per_group = 5000
     params = groups * per_group  # interleaved rows: group g is rows g, g + len(groups), ...
     torch.manual_seed(7)
-    tokens = sample(torch.tensor([TINY_LOGITS] * len(params)), build(params, len(TINY_LOGITS))).token_ids
+    tokens = sample(torch.tensor([TINY_LOGITS] * len(params)), build(params, len(TINY_LOGITS)), ext=ext).token_ids
     for g, p in enumerate(groups):
         freq = torch.bincount(tokens[g :: len(groups)], minlength=len(TINY_LOGITS)).float() / per_group
         expected = (
@@ -129,16 +147,16 @@ def test_each_row_keeps_its_own_parameters(groups):
         assert torch.allclose(freq, expected.float(), atol=0.025), (p, freq, expected)
 
 
-def test_seeded_generator_gives_the_same_draws():
+def test_seeded_generator_gives_the_same_draws(ext):
     logits = torch.tensor([TINY_LOGITS] * 2000)
     params = [SamplingParams(top_p=0.9)] * 2000
-    first = sample(logits, build(params, 8, generators=[torch.Generator().manual_seed(5)] * 2000)).token_ids
+    first = sample(logits, build(params, 8, generators=[torch.Generator().manual_seed(5)] * 2000), ext=ext).token_ids
     torch.manual_seed(99)  # the global RNG must not matter
-    again = sample(logits, build(params, 8, generators=[torch.Generator().manual_seed(5)] * 2000)).token_ids
+    again = sample(logits, build(params, 8, generators=[torch.Generator().manual_seed(5)] * 2000), ext=ext).token_ids
     assert torch.equal(first, again)
 
 
-def test_seeded_row_independent_of_batch_and_position():
+def test_seeded_row_independent_of_batch_and_position(ext):
     vocab, steps = 50, 12
     seeded = SamplingParams(temperature=0.9, top_k=20, seed=7)
     others = [
@@ -160,7 +178,7 @@ def test_seeded_row_independent_of_batch_and_position():
             logits[position] = torch.randn(vocab, generator=torch.Generator().manual_seed(step))
             outputs = [[1, 2, 3]] * len(params)
             out = sample(
-                logits, build(params, vocab, prompt_ids=outputs, output_ids=outputs, generators=gens)
+                logits, build(params, vocab, prompt_ids=outputs, output_ids=outputs, generators=gens), ext=ext
             )
             tokens.append(int(out.token_ids[position]))
         return tokens
@@ -220,7 +238,7 @@ def test_penalties_steer_greedy_and_leave_input_untouched():
     )
 
 
-def test_min_tokens_masks_eos_and_stop_ids():
+def test_min_tokens_masks_eos_and_stop_ids(ext):
     vocab, eos = 10, 9
     logits = torch.full((4, vocab), -5.0)
     logits[:, eos], logits[:, 7], logits[:, 3] = 10.0, 9.0, 8.0
@@ -230,23 +248,23 @@ def test_min_tokens_masks_eos_and_stop_ids():
         SamplingParams(temperature=0.0, min_tokens=5, ignore_eos=True),  # masks eos all the same
         SamplingParams(temperature=0.0),
     ]
-    out = sample(logits, build(params, vocab, output_ids=[[1], [1, 2], [], []], eos_token_ids=[eos]))
+    out = sample(logits, build(params, vocab, output_ids=[[1], [1, 2], [], []], eos_token_ids=[eos]), ext=ext)
     assert out.token_ids.tolist() == [3, eos, 7, eos]
     # Sampled rows never draw a banned token either, and nothing is banned without an eos id or stop ids.
     rows = 3000
     hot = torch.zeros(rows, vocab)
     hot[:, eos] = hot[:, 7] = 3.0
     drawn = sample(
-        hot, build([SamplingParams(min_tokens=1, stop_token_ids=[7])] * rows, vocab, eos_token_ids=[eos])
+        hot, build([SamplingParams(min_tokens=1, stop_token_ids=[7])] * rows, vocab, eos_token_ids=[eos]), ext=ext
     )
     assert not set(drawn.token_ids.tolist()) & {7, eos}
     assert build([SamplingParams(min_tokens=3)], vocab).banned is None
     # A model with several end-of-generation ids (SmolLM2: <|im_end|> and <|endoftext|>) has all of them banned.
     two = build([SamplingParams(temperature=0.0, min_tokens=1)], vocab, output_ids=[[]], eos_token_ids=[eos, 7])
-    assert sample(logits[:1], two).token_ids.tolist() == [3]
+    assert sample(logits[:1], two, ext=ext).token_ids.tolist() == [3]
 
 
-def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
+def test_logprobs_are_raw_log_softmax_and_top_k_sorted(ext):
     torch.manual_seed(3)
     vocab = 400
     params = [
@@ -257,7 +275,7 @@ def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
     ]
     logits = torch.randn(len(params), vocab, dtype=torch.bfloat16)
     gens = [torch.Generator().manual_seed(1) if p.seed is not None else None for p in params]
-    out = sample(logits, build(params, vocab, prompt_ids=[[1, 2]] * 4, output_ids=[[3]] * 4, generators=gens))
+    out = sample(logits, build(params, vocab, prompt_ids=[[1, 2]] * 4, output_ids=[[3]] * 4, generators=gens), ext=ext)
     ref = torch.log_softmax(logits.float(), dim=-1)
     assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1), atol=1e-5)
     ids, values = out.top_logprobs
@@ -267,11 +285,11 @@ def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
     assert torch.equal(ids, want_ids)
     assert torch.all(values[:, :-1] >= values[:, 1:])
 
-    only_chosen = sample(logits, build([SamplingParams(logprobs=0)] * 4, vocab))
+    only_chosen = sample(logits, build([SamplingParams(logprobs=0)] * 4, vocab), ext=ext)
     assert only_chosen.top_logprobs[0].shape == (4, 0)
 
 
-def test_mixed_batch_greedy_sampled_and_seeded():
+def test_mixed_batch_greedy_sampled_and_seeded(ext):
     torch.manual_seed(11)
     vocab = 64
     logits = torch.randn(5, vocab)
@@ -288,7 +306,7 @@ def test_mixed_batch_greedy_sampled_and_seeded():
         return [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
 
     batch = build(params, vocab, output_ids=outputs, generators=gens())
-    out = sample(logits, batch)
+    out = sample(logits, batch, ext=ext)
     penalised = apply_penalties(logits, batch)
     assert int(out.token_ids[0]) == int(penalised[0].argmax()) != int(logits[0].argmax())
     assert int(out.token_ids[3]) == int(logits[3].argmax())
@@ -299,7 +317,7 @@ def test_mixed_batch_greedy_sampled_and_seeded():
     assert int(out.token_ids[2]) in allowed_top_p
     probs = logits[4].softmax(-1)
     assert float(probs[out.token_ids[4]]) >= 0.9 * float(probs.max())
-    again = sample(logits, build(params, vocab, output_ids=outputs, generators=gens()))
+    again = sample(logits, build(params, vocab, output_ids=outputs, generators=gens()), ext=ext)
     assert out.token_ids[[2, 4]].tolist() == again.token_ids[[2, 4]].tolist()
 
 
@@ -373,3 +391,57 @@ def test_logsumexp_matches_torch_on_plain_masked_and_empty_rows():
     got = _logsumexp(logits)
     torch.testing.assert_close(got, logits.logsumexp(-1))
     assert got[2] == float("-inf")
+
+
+def test_truncation_by_selection_keeps_what_the_sort_keeps(kernels_ext):
+    """The kernels' top-p threshold (selection among the tokens above (1 - p) / n) keeps exactly the tokens the
+    full sort keeps, after a top_k or without, on flat and peaked rows, with a grammar's -inf among them."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 49_152, 48
+    x = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.3, 6.0, rows)[:, None]
+    x[5, 100:] = float("-inf")  # a grammar-masked row
+    x[6, 3] = 40.0  # one token takes all the mass
+    top_p = torch.tensor([0.05, 0.5, 0.9, 0.95, 0.999, 1.0] * (rows // 6))
+    top_k = torch.full((rows,), vocab)
+    top_k[::4] = torch.tensor([1, 7, 50, 2000] * (rows // 16))[: rows // 4]
+    threshold = kernels_ext.truncation_threshold(x, top_k, top_p)
+    finite = torch.isfinite(x)
+    want = torch.isfinite(_top_k_top_p(x.clone(), top_k, int(top_k[top_k < vocab].max()), top_p))
+    assert torch.equal((x >= threshold[:, None]) & finite, want)
+    assert threshold[top_p == 1.0][top_k[top_p == 1.0] == vocab].eq(float("-inf")).all()  # nothing to cut
+    assert int(((x >= threshold[:, None]) & finite)[6].sum()) == 1
+    # top-p alone (no top_k tensor) is the same cut as with every top_k off
+    alone = kernels_ext.truncation_threshold(x, None, top_p)
+    assert torch.equal(alone, kernels_ext.truncation_threshold(x, torch.full((rows,), vocab), top_p))
+
+
+def test_the_draw_follows_the_inverse_cdf(kernels_ext):
+    """draw_rows picks the first token whose cumulative probability passes the row's uniform; -inf and NaN logits
+    are never drawn, not even at u = 0 or u close to 1."""
+    gen = torch.Generator().manual_seed(1)
+    rows, vocab = 300, 1000
+    x = torch.randn(rows, vocab, generator=gen) * 2
+    x[:, ::7] = float("-inf")
+    u = torch.rand(rows, generator=gen)
+    probs = x.double().softmax(-1)
+    want = (probs.cumsum(-1) <= u.double()[:, None]).sum(-1)
+    assert torch.equal(kernels_ext.draw_rows(x, u), want)
+    edge = torch.full((3, 5), float("-inf"))
+    edge[0, 2], edge[0, 3] = 1.0, 2.0  # u = 0: the first token that can be drawn
+    edge[1, 1], edge[1, 0] = 1.0, float("nan")  # u just below 1: the last, never the NaN
+    edge[1, 4] = float("nan")
+    drawn = kernels_ext.draw_rows(edge, torch.tensor([0.0, 1.0 - 2**-24, 0.5]))
+    assert drawn[:2].tolist() == [2, 1]
+
+
+def test_top_p_without_a_top_k_sorts_nothing_with_the_kernels(kernels_ext, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("unexpected sort")
+
+    monkeypatch.setattr(torch.Tensor, "sort", forbidden)
+    monkeypatch.setattr(torch, "sort", forbidden)
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=5, top_p=0.5), SamplingParams(temperature=0)]
+    out = sample(logits, build(params, 1000), ext=kernels_ext)
+    assert int(out.token_ids[1]) in logits[1].topk(5).indices.tolist()
+    assert int(out.token_ids[2]) == int(logits[2].argmax())
