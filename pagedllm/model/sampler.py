@@ -237,7 +237,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Genera
     the other rows."""
     x = (logits / batch.temperature[:, None]).contiguous()  # a fresh tensor: in-place from here on is safe
     if batch.top_p is not None and ext is not None and not _every_row_has_top_k(batch.top_k, x.shape[-1]):
-        x.masked_fill_(x < ext.truncation_threshold(x, batch.top_k, batch.top_p)[:, None], _NEG_INF)
+        ext.truncate_(x, batch.top_k, batch.top_p)
     elif batch.top_p is not None:  # with a top_k on every row, torch's topk of the widest k is the cheaper cut
         x = _top_k_top_p(x, batch.top_k, batch.max_top_k, batch.top_p)
     elif batch.top_k is not None:

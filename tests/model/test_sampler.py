@@ -404,15 +404,17 @@ def test_truncation_by_selection_keeps_what_the_sort_keeps(kernels_ext):
     top_p = torch.tensor([0.05, 0.5, 0.9, 0.95, 0.999, 1.0] * (rows // 6))
     top_k = torch.full((rows,), vocab)
     top_k[::4] = torch.tensor([1, 7, 50, 2000] * (rows // 16))[: rows // 4]
-    threshold = kernels_ext.truncation_threshold(x, top_k, top_p)
-    finite = torch.isfinite(x)
-    want = torch.isfinite(_top_k_top_p(x.clone(), top_k, int(top_k[top_k < vocab].max()), top_p))
-    assert torch.equal((x >= threshold[:, None]) & finite, want)
+    cut = x.clone()
+    threshold = kernels_ext.truncate_(cut, top_k, top_p)
+    want = _top_k_top_p(x.clone(), top_k, int(top_k[top_k < vocab].max()), top_p)
+    assert torch.equal(torch.isfinite(cut), torch.isfinite(want))
+    assert torch.equal(cut[torch.isfinite(cut)], x[torch.isfinite(cut)])  # the kept logits untouched
+    assert torch.equal(torch.isfinite(cut), (x >= threshold[:, None]) & torch.isfinite(x))
     assert threshold[top_p == 1.0][top_k[top_p == 1.0] == vocab].eq(float("-inf")).all()  # nothing to cut
-    assert int(((x >= threshold[:, None]) & finite)[6].sum()) == 1
+    assert int(torch.isfinite(cut[6]).sum()) == 1
     # top-p alone (no top_k tensor) is the same cut as with every top_k off
-    alone = kernels_ext.truncation_threshold(x, None, top_p)
-    assert torch.equal(alone, kernels_ext.truncation_threshold(x, torch.full((rows,), vocab), top_p))
+    alone = kernels_ext.truncate_(x.clone(), None, top_p)
+    assert torch.equal(alone, kernels_ext.truncate_(x.clone(), torch.full((rows,), vocab), top_p))
 
 
 def test_the_draw_follows_the_inverse_cdf(kernels_ext):

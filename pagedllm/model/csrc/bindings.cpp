@@ -30,8 +30,8 @@ bool int4_linear_q8_supported();
 at::Tensor exact_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids);
 std::vector<at::Tensor> rescore_top_k(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& values,
                                       const at::Tensor& ids, const at::Tensor& lse);
-at::Tensor truncation_threshold(const at::Tensor& logits, const c10::optional<at::Tensor>& top_k,
-                                const c10::optional<at::Tensor>& top_p);
+at::Tensor truncate_(at::Tensor& logits, const c10::optional<at::Tensor>& top_k,
+                     const c10::optional<at::Tensor>& top_p);
 at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& u);
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t qmax);
 std::vector<at::Tensor> split_outliers_int8(const at::Tensor& x, int64_t E, int64_t qmax);
@@ -67,8 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("rescore_top_k", &rescore_top_k, "top_k_logsumexp's candidates in fp32 (exact_logits; -inf where values are) "
         "and the logsumexp with their rounded terms swapped for the exact ones: (exact, lse)", nogil);
-  m.def("truncation_threshold", &truncation_threshold, "Each row's smallest kept logit under top-k then top-p "
-        "(vLLM's rule; ties with it kept), found by selection rather than a sort; -inf keeps the whole row", nogil);
+  m.def("truncate_", &truncate_, "top-k then top-p (vLLM's rule) in place: -inf below each row's smallest kept "
+        "logit (ties with it kept), found by selection rather than a sort; returns those thresholds (-inf: all kept)",
+        nogil);
   m.def("draw_rows", &draw_rows, "One token per row drawn from softmax(logits) by inverse CDF at the row's uniform u; "
         "-inf and NaN logits are never drawn", nogil);
   m.def("int4_linear", &int4_linear, "x @ W.T for 4-bit GGUF weights (w = q * d + m per 32 inputs)", nogil);

@@ -27,61 +27,6 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline float hmax16(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
-// The largest of x[0..n), and sum(exp(x - m)) once it is known: 16 lanes at a time, the tail one by one.
-inline float chunk_max(const float* x, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  v16 mv = v16{} - INFINITY;
-  for (; i + 16 <= n; i += 16) {
-    const v16 v = vload16(x + i);
-    mv = v > mv ? v : mv;
-  }
-  float m = hmax16(mv);
-#else
-  // GCC lowers a 16-float comparison lane by lane where the lanes span two AVX2 registers; vmaxps(v, m) is the
-  // same v > m ? v : m (a NaN never wins).
-  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
-  for (; i + 16 <= n; i += 16) {
-    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
-    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
-  }
-  alignas(32) float lanes[16];
-  _mm256_store_ps(lanes, m0);
-  _mm256_store_ps(lanes + 8, m1);
-  float m = hmax16(vload16(lanes));
-#endif
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
-
-inline float chunk_exp_sum(const float* x, int64_t n, float m) {
-  v16 sv = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) sv += exp_nonpos16(vload16(x + i) - m);
-  float s = hsum16(sv);
-  for (; i < n; ++i) s += exp_nonpos(x[i] - m);
-  return s;
-}
-
-// Whether any of x[0..16) is above t (a NaN is not).
-inline bool any_above(const float* x, float t) {
-#if defined(__AVX512F__)
-  // one compare into a mask register (the vector extension's `>` then OR of 16 lanes was extracted lane by lane)
-  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
-#else
-  const __m256 tv = _mm256_set1_ps(t);
-  const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(x), tv, _CMP_GT_OQ);
-  const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(x + 8), tv, _CMP_GT_OQ);
-  return _mm256_movemask_ps(_mm256_or_ps(a, b)) != 0;
-#endif
-}
-
 // Keeps the k largest (value, index) pairs seen so far; `threshold` is the smallest kept once k are kept.
 struct TopK {
   float* v;
