@@ -318,7 +318,7 @@ class LlamaModel:
         if self.exact_logits:
             return logits
         k = min(RESCORE_TOP_K, logits.shape[-1])
-        # the kernels' one pass finds the candidates in a third of torch's topk time (64 rows: 0.9 against 2.8 ms)
+        # the kernels' one pass finds the candidates in a third of torch's topk time (64 rows, Zen 4: 0.9 vs 2.9 ms)
         top = logits.topk(k, dim=-1).indices if self.ext is None else self.ext.top_k_logsumexp(logits, k)[1]
         return logits.scatter_(1, top, self._exact_logits(hidden, top))
 

@@ -415,6 +415,10 @@ def test_truncation_by_selection_keeps_what_the_sort_keeps(kernels_ext):
     # top-p alone (no top_k tensor) is the same cut as with every top_k off
     alone = kernels_ext.truncate_(x.clone(), None, top_p)
     assert torch.equal(alone, kernels_ext.truncate_(x.clone(), torch.full((rows,), vocab), top_p))
+    # a top_p that rounds to 0 in float32 on a flat row: the top (every tied token) stays, never an empty row
+    flat = torch.zeros(1, 64)
+    assert kernels_ext.truncate_(flat, None, torch.tensor([1e-50], dtype=torch.float32)).tolist() == [0.0]
+    assert torch.isfinite(flat).all()
 
 
 def test_the_draw_follows_the_inverse_cdf(kernels_ext):

@@ -122,7 +122,9 @@ float row_threshold(const float* x, int64_t V, int64_t k, double p, std::vector<
     if (any_above(e + i, floor_e))
       for (int64_t j = i; j < i + 16; ++j) offer(j);
   for (; i < V; ++i) offer(i);
-  return std::max(kth, mass_boundary(cand.data(), static_cast<int64_t>(cand.size()), total - kept, cut));
+  // never above the top logit: a top_p that rounds to 0 in float32 on a flat row leaves no candidate above the floor
+  const float boundary = mass_boundary(cand.data(), static_cast<int64_t>(cand.size()), total - kept, cut);
+  return std::max(kth, std::min(boundary, m));
 }
 
 // The index of row x[0..V) drawn with probability softmax(x): the first whose cumulative weight passes u times the
