@@ -93,6 +93,12 @@ def init_ray(address: str | None) -> bool:
     return True
 
 
+def reaches_the_client(output: RequestOutput, params: SamplingParams) -> bool:
+    """Whether a streaming reader sends anything for this output: text, or with logprobs any token. Until one does,
+    the request may still start over on another replica (the detokenizer can hold a first token's text back)."""
+    return params.logprobs is not None or any(c.text for c in output.outputs)
+
+
 class PoolStream(RequestStream):
     """One request's outputs as they come from whichever replica serves it; cancelling it aborts the request."""
 
@@ -102,7 +108,7 @@ class PoolStream(RequestStream):
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.finished = False
-        self.delivered = False  # an output reached the stream: the request cannot move to another replica...
+        self.delivered = False  # an output the reader sends on reached the stream: the request cannot move...
         self.restartable = False  # ...unless its reader needs only the final output
         self.route: Route | None = None
         self.tried: set[int] = set()  # replicas that failed this request
@@ -312,7 +318,7 @@ class ReplicaPool(EngineClient):
         elif isinstance(item, BaseException):
             self._end(stream, item)
         else:
-            stream.delivered = True
+            stream.delivered = stream.delivered or reaches_the_client(item, stream.params)
             if item.finished:
                 self._end(stream, item)
             else:

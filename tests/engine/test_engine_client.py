@@ -4,14 +4,17 @@ clients implement, the admission check they share, and the serve flags' one set 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, QueueFullError, TooManySequencesError
-from pagedllm.engine.replica_pool import PoolConfig, ReplicaPool
+from pagedllm.engine.replica_pool import PoolConfig, PoolStream, ReplicaPool
 from pagedllm.entrypoints.serve import add_serve_command
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 # what each client must write itself (the protocol's own bodies are stubs); check_admission and generate are shared
 OWN = ["start", "shutdown", "is_alive", "num_waiting", "num_waiting_seqs", "check_alive", "replica_health",
@@ -78,3 +81,22 @@ def test_serve_flags_default_to_server_config(monkeypatch: pytest.MonkeyPatch) -
 def test_server_config_refuses_limits_that_are_not_positive(flag: str) -> None:
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be positive, got 0"):
         ServerConfig(**{flag: 0})
+
+
+def test_a_streamed_request_moves_until_its_reader_has_sent_something() -> None:
+    """A replica's outputs whose text the detokenizer still holds back (empty) send nothing to a streaming client, so
+    the request may still start over elsewhere if the replica dies; once text (or, with logprobs, any token) has
+    come, it may not."""
+    def output(text: str) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [7], None, None)], finished=False)
+
+    pool = ReplicaPool.__new__(ReplicaPool)  # _deliver needs no Ray for a running request's output
+    for params, movable_after_empty in ((SamplingParams(max_tokens=8), True),
+                                        (SamplingParams(max_tokens=8, logprobs=1), False)):
+        stream = PoolStream(pool, "r", [1, 2], params)
+        replica = SimpleNamespace(requests={"r": stream})
+        ReplicaPool._deliver(pool, replica, "r", output(""))
+        assert stream.movable is movable_after_empty
+        ReplicaPool._deliver(pool, replica, "r", output("Once"))
+        ReplicaPool._deliver(pool, replica, "r", output("Once"))  # no new text: still delivered
+        assert not stream.movable
