@@ -28,21 +28,17 @@ def build(params, vocab_size, prompt_ids=None, output_ids=None, generators=None,
     )
 
 
-@pytest.fixture(params=["torch", "kernels"])
-def ext(request):
-    """The sampler's two forms: plain torch, and with the C++ kernels (selection for top-p, one uniform per row)."""
-    if request.param == "torch":
-        return None
-    if kernels.load() is None:
-        pytest.skip(f"kernels not built: {kernels.build_error()}")
-    return kernels.load()
-
-
 @pytest.fixture
 def kernels_ext():
     if kernels.load() is None:
         pytest.skip(f"kernels not built: {kernels.build_error()}")
     return kernels.load()
+
+
+@pytest.fixture(params=["torch", "kernels"])
+def ext(request):
+    """The sampler's two forms: plain torch, and with the C++ kernels (selection for top-p, one uniform per row)."""
+    return None if request.param == "torch" else request.getfixturevalue("kernels_ext")
 
 
 def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:

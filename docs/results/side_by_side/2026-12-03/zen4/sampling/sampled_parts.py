@@ -1,5 +1,6 @@
 """Where a sampled step's logits and sampler time goes, op by op, on the default model's own logits at 64 rows
-(temperature 0.8, top_p 0.95): the lm_head pass of compute_logits, then the sampler's steps.
+(temperature 0.8, top_p 0.95): compute_logits' search for its 16 rescored candidates and its fp32 copy (torch's topk
+against the one-pass kernel), then the sampler's steps; the ops alternate in ABBA order.
 Run: python sampled_parts.py WORKLOAD.jsonl
 """
 
