@@ -4,28 +4,16 @@ against the one-pass kernel), then the sampler's steps; the ops alternate in ABB
 Run: python sampled_parts.py WORKLOAD.jsonl
 """
 
-import json
 import statistics
 import sys
 import time
 
 import torch
+from captured_logits import decode_logits
 
-import pagedllm.model.model_runner as model_runner
-from pagedllm import LLM, SamplingParams
+from pagedllm.model import kernels
 
-captured = []
-real_sample = model_runner.sample
-model_runner.sample = lambda logits, batch, rng, ext: captured.append(logits.clone()) or real_sample(
-    logits, batch, rng, ext)
-prompts = [json.loads(line)["prompt_token_ids"] for line in open(sys.argv[1])][:64]
-llm = LLM()
-llm.generate([{"prompt_token_ids": p} for p in prompts],
-             SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=0), use_tqdm=False)
-logits = torch.cat(captured)[-64:].contiguous()
-model_runner.sample = real_sample
-from pagedllm.model import kernels  # noqa: E402
-
+logits = decode_logits(sys.argv[1])
 ext = kernels.load()
 rows = logits.shape[0]
 temperature = torch.full((rows,), 0.8)

@@ -6,32 +6,21 @@ then times `sample` on 1, 8 and 64 of those rows, for three sampling settings, a
 Run: python sampler_calls.py WORKLOAD.jsonl
 """
 
-import json
 import statistics
 import sys
 import time
 
 import torch
+from captured_logits import decode_logits
 
-import pagedllm.model.model_runner as model_runner
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.model import kernels
 from pagedllm.model.sampler import SamplingBatch, sample
 
-captured = []
-real_sample = model_runner.sample
-model_runner.sample = lambda logits, batch, rng, ext: captured.append(logits.clone()) or real_sample(
-    logits, batch, rng, ext)
-prompts = [json.loads(line)["prompt_token_ids"] for line in open(sys.argv[1])][:64]
-llm = LLM()
-llm.generate([{"prompt_token_ids": p} for p in prompts],
-             SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=0), use_tqdm=False)
-logits = torch.cat(captured)[-64:].contiguous()  # the last steps: decode rows
-model_runner.sample = real_sample
+logits = decode_logits(sys.argv[1])
 vocab = logits.shape[1]
 print(f"logits: {tuple(logits.shape)} {logits.dtype}; threads {torch.get_num_threads()}")
 ext = kernels.load()
-kept = []
 for settings, name in ((dict(temperature=0.8), "temperature 0.8"),
                        (dict(temperature=0.8, top_p=0.95), "temperature 0.8, top_p 0.95"),
                        (dict(temperature=0.8, top_k=50, top_p=0.95), "temperature 0.8, top_k 50, top_p 0.95")):
