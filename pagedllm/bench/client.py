@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,12 +43,13 @@ class RequestResult:
     text: str = ""  # the first choice's text (a chat's reply, for the next turn's history)
 
 
-def completion_payload(model: str, request: Any) -> dict[str, Any]:
+def completion_payload(model: str, request: Any, sampling: Mapping[str, float | int] | None = None) -> dict[str, Any]:
     """A streamed /v1/completions body for a BenchRequest: token ids as the prompt (exact lengths), exactly
-    output_len tokens per sample (ignore_eos), greedy unless several samples are wanted."""
+    output_len tokens per sample (ignore_eos), greedy unless several samples are wanted or `sampling` (request
+    fields: temperature, top_p, top_k) says otherwise."""
     return {"model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.output_len,
-            "n": request.n, "temperature": 1.0 if request.n > 1 else 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "n": request.n, "temperature": 1.0 if request.n > 1 else 0.0, **(sampling or {}), "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
 
 
 def error_message(body: bytes | dict) -> str:
@@ -224,10 +225,11 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 async def run_benchmark(base_url: str, model: str, requests: Sequence[Any], arrivals: Sequence[float], *,
                         max_concurrency: int | None = None, api_key: str | None = None,
                         sample_interval: float = 0.5, progress: bool | None = None,
-                        models: Sequence[str] | None = None) -> BenchmarkRun:
+                        models: Sequence[str] | None = None,
+                        sampling: Mapping[str, float | int] | None = None) -> BenchmarkRun:
     """Send request i at `arrivals[i]` seconds after the start (at most `max_concurrency` in flight), wait for all,
-    sampling /metrics meanwhile. `models`: request i's model name (LoRA adapters), else `model` for all. progress
-    None: a progress bar only on a terminal."""
+    sampling /metrics meanwhile. `models`: request i's model name (LoRA adapters), else `model` for all. `sampling`:
+    fields every request's body carries (completion_payload). progress None: a progress bar only on a terminal."""
     from tqdm import tqdm
 
     if len(arrivals) != len(requests):
@@ -250,7 +252,7 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[Any], arri
             async def arrive(request: Any, at: float, result: RequestResult, name: str) -> None:
                 await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
                 async with gate:
-                    await send_request(client, completion_payload(name, request), result, t0)
+                    await send_request(client, completion_payload(name, request, sampling), result, t0)
                 bar.update()
 
             await asyncio.gather(*(arrive(*args) for args in zip(requests, arrivals, results, models)))

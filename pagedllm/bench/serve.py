@@ -20,6 +20,7 @@ from typing import Any
 from pagedllm.bench.client import run_async, run_benchmark
 from pagedllm.bench.plots import plot_timelines
 from pagedllm.bench.results import write_json
+from pagedllm.bench.sampling_flags import add_sampling_args, sampling_overrides
 from pagedllm.bench.server_process import fetch_model_card
 from pagedllm.bench.summary import print_summary, rate_json, summarize
 
@@ -43,6 +44,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--model-zipf", type=float, default=1.0,
                     help="with --models: name k is picked with weight 1 / (k + 1) ** EXPONENT (0: uniform)")
     add_workload_args(sv)
+    add_sampling_args(sv)
     sv.add_argument("--output-json", default=None)
     sv.add_argument("--plot", default=None, help="PNG of KV cache usage and running requests over time")
     sv.set_defaults(func=cmd_serve)
@@ -124,8 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run = run_async(run_benchmark(args.base_url, model, requests,
                                     poisson_arrivals(len(requests), args.request_rate, args.seed),
                                     max_concurrency=args.max_concurrency, api_key=args.api_key,
-                                    sample_interval=args.metrics_interval, models=models))
-    summary = {"model": model, "base_url": args.base_url, **context(args), **summarize(run, args.request_rate)}
+                                    sample_interval=args.metrics_interval, models=models,
+                                    sampling=sampling_overrides(args)))
+    summary = {"model": model, "base_url": args.base_url, **context(args), "sampling": sampling_overrides(args),
+               **summarize(run, args.request_rate)}
     if models is not None:
         summary["requests_per_model"] = dict(collections.Counter(models))
     print_summary(summary)

@@ -19,6 +19,7 @@ from pagedllm.bench.datasets import (
 )
 from pagedllm.bench.hf_backend import add_hf_args
 from pagedllm.bench.results import write_json
+from pagedllm.bench.sampling_flags import add_sampling_args, sampling_overrides
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.kv_trace import TraceRecorder
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -147,15 +148,6 @@ def report_throughput(args: argparse.Namespace, result: dict) -> int:
     return 0
 
 
-def sampling_overrides(args: argparse.Namespace) -> dict[str, float | int]:
-    """--temperature, --top-p, --top-k as SamplingParams fields; top-p or top-k alone sample at temperature 1."""
-    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    if overrides and "temperature" not in overrides:
-        overrides["temperature"] = 1.0
-    return overrides
-
-
 def run_workload(llm, requests: list[BenchRequest], overrides: dict[str, float | int] | None = None) -> int:
     """Run every request with ignore_eos and max_tokens = its output length; the number of tokens generated
     (every sample, every final beam). Sampling requests are queued at once (greedy if n == 1, temperature 1 for
@@ -194,10 +186,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--n", type=int, default=4, help="parallel-sampling dataset: samples per request")
     tp.add_argument("--beam-width", type=int, default=4, help="beam-search dataset: beams per request")
     tp.add_argument("--prefix-len", type=int, default=200, help="shared-prefix dataset: tokens of the shared prefix")
-    tp.add_argument("--temperature", type=float, default=None, help="sample every request at this temperature "
-                    "(default: greedy, or 1.0 for parallel samples)")
-    tp.add_argument("--top-p", type=float, default=None, help="sample every request with this top-p")
-    tp.add_argument("--top-k", type=int, default=None, help="sample every request with this top-k")
+    add_sampling_args(tp)
     tp.add_argument("--output-json", default=None)
     tp.add_argument("--save-workload", default=None, metavar="PATH", help="write the sampled requests as JSONL "
                     '({"prompt_token_ids", "output_len"}), to run the same requests on another engine')

@@ -12,10 +12,11 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from pagedllm.bench.client import gauge_values, parse_metrics, run_async, run_benchmark
+from pagedllm.bench.client import completion_payload, gauge_values, parse_metrics, run_async, run_benchmark
 from pagedllm.bench.plots import plot_timelines
 from pagedllm.bench.serve import servable
 from pagedllm.bench.server_process import ServerProcess, engine_actions, free_port, passthrough_argv
@@ -222,6 +223,21 @@ def test_bench_serve_command(server: ServerProcess, tiny_model_dir: str, tmp_pat
     assert result["total_input_tokens"] == 4 * 16 and result["total_output_tokens"] == 4 * 4
     assert result["dataset"] == "random" and result["request_rate"] == 20.0
     assert png.read_bytes().startswith(b"\x89PNG")
+    assert result["sampling"] == {}
+    # sampled: every request's body carries the flags; the server samples them all to their exact lengths
+    assert main(["bench", "serve", "--base-url", server.url, "--dataset", "random", "--num-prompts", "4",
+                 "--input-len", "16", "--output-len", "4", "--top-p", "0.9", "--top-k", "20",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["sampling"] == {"top_p": 0.9, "top_k": 20, "temperature": 1.0}
+    assert result["num_completed"] == 4 and result["num_failed"] == 0 and result["total_output_tokens"] == 4 * 4
+
+
+def test_a_request_body_carries_the_sampling_flags() -> None:
+    request = SimpleNamespace(prompt_token_ids=[1, 2], output_len=3, n=1)
+    assert completion_payload("m", request)["temperature"] == 0.0
+    body = completion_payload("m", request, {"temperature": 0.8, "top_p": 0.95})
+    assert (body["temperature"], body["top_p"], body["ignore_eos"], body["max_tokens"]) == (0.8, 0.95, True, 3)
 
 
 def test_client_tokenizer_comes_without_the_weights(tiny_model_dir: str, tiny_gguf_path: str) -> None:
