@@ -1,7 +1,8 @@
 # Sourced by the servers' side-by-side scripts: serve_run NAME PORT COMMAND... starts one server alone (its log in
 # $out), waits for /health, sends the workload with `pagedllm bench serve` (streamed, greedy, ignore_eos, exact
 # lengths; at most $concurrency in flight, all arrived at once), stops it and appends a line to
-# $out/summary_serve.tsv. Reads $out, $round, $workload, $num, $concurrency and $tokenizer.
+# $out/summary_serve.tsv. Reads $out, $round, $workload, $num, $concurrency and $tokenizer; $BENCH_FLAGS adds flags
+# to `pagedllm bench serve` (e.g. "--temperature 0.8 --top-p 0.95": every request sampled).
 source "$(dirname "${BASH_SOURCE[0]}")/wait_ready.sh"
 
 serve_run() {
@@ -14,9 +15,11 @@ serve_run() {
     wait_ready "http://127.0.0.1:$port" "$pid" || { echo "$name did not start; see its log" >&2; exit 1; }
     local start load
     start=$(date +%H:%M:%S) load=$(cut -d' ' -f1 /proc/loadavg)
+    local bench_extra
+    read -r -a bench_extra <<< "${BENCH_FLAGS:-}"
     pagedllm bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" --dataset file \
         --dataset-path "$workload" --num-prompts "$num" --request-rate inf --max-concurrency "$concurrency" \
-        --output-json "$out/${name}_serve_$round.json" > "$out/${name}_bench_$round.log" 2>&1
+        "${bench_extra[@]}" --output-json "$out/${name}_serve_$round.json" > "$out/${name}_bench_$round.log" 2>&1
     kill -- -"$pid"; wait "$pid" 2>/dev/null || true
     python3 - "$out/${name}_serve_$round.json" "$round" "$name" "$start" "$load" >> "$out/summary_serve.tsv" <<'PY'
 import json, sys

@@ -5,6 +5,7 @@
 # usage: docs/scripts/side_by_side_serve.sh VLLM_PYTHON VLLM_MODEL_DIR OUT_DIR [ROUNDS] [CONCURRENCY]
 #   VLLM_DTYPE=float32 runs vLLM in fp32 (its bf16 is emulated, slow, on CPUs without AVX512-BF16).
 #   PAGEDLLM_FLAGS="..." adds flags to `pagedllm serve` (e.g. --model FILE for another model than the default).
+#   BENCH_FLAGS="..." adds flags to the client, `pagedllm bench serve` (e.g. "--temperature 0.8 --top-p 0.95").
 #   OUT_DIR/workload.jsonl is written as docs/scripts/side_by_side.sh writes it, unless it is there already.
 set -euo pipefail
 vllm_python=$1 vllm_model=$2 out=$3 rounds=${4:-2} concurrency=${5:-64}
