@@ -409,8 +409,9 @@ class LLMEngine:
 
     def _accept_drafts(self, plan: SchedulerOutput, sampled: SamplerOutput) -> Emitted:
         """(sequence, its first row, tokens it gets) per sampler. A speculative decode keeps its proposed tokens up
-        to the first the model's own pick differs from, and gets those picks plus the next one: exactly the tokens
-        one-token greedy steps would give. Its `draft` and chunk are cut to what was accepted (commit's input)."""
+        to the first the model's own pick differs from, and gets those picks plus the next one: the tokens one-token
+        greedy steps would give, or for a sampled row the distribution of one-token draws (Sequence.may_speculate).
+        Its `draft` and chunk are cut to what was accepted (commit's input)."""
         emitted, row = [], 0
         picks = sampled.token_ids.tolist() if any(s.draft for s in plan.scheduled) else None
         for s in plan.scheduled:

@@ -175,3 +175,96 @@ def test_by_default_the_gate_decides_from_neighbouring_steps_and_tokens_stay_tho
     row = next(r for r in llm.engine.stats().spec_gate if r["running"] == "4-7")
     assert row["comparisons"] >= MIN_PAIRS and row["drafts"] in (True, False)
     assert llm.engine.block_manager.num_free_blocks == 256
+
+
+class TopCandidates:
+    """Transformers' fp32 view of the tiny model after a prompt: each continuation's kept tokens and their
+    probabilities under top-k 3 (then top-p), and the greedy tokens after it, computed once per prefix."""
+
+    def __init__(self, model, prompt: list[int], params: SamplingParams) -> None:
+        self.model, self.prompt, self.params = model, prompt, params
+        self.cache: dict[tuple[int, ...], dict[int, float]] = {}
+
+    def kept(self, outputs: tuple[int, ...]) -> dict[int, float]:
+        if outputs not in self.cache:
+            import torch
+
+            with torch.no_grad():
+                logits = self.model(torch.tensor([self.prompt + list(outputs)])).logits[0, -1].double()
+            values, ids = (logits / self.params.temperature).topk(3)
+            probs = values.softmax(-1)  # descending; vLLM's top-p drops the low tail of share <= 1 - p
+            at_and_below = probs.flip(0).cumsum(0).flip(0)
+            keep = (at_and_below > 1 - self.params.top_p) | (torch.arange(3) == 0)
+            probs = torch.where(keep, probs, 0.0)
+            self.cache[outputs] = dict(zip(ids.tolist(), (probs / probs.sum()).tolist()))
+        return self.cache[outputs]
+
+    def greedy(self, outputs: tuple[int, ...], n: int) -> list[int]:
+        tokens = list(outputs)
+        for _ in range(n):
+            kept = self.kept(tuple(tokens))
+            tokens.append(max(kept, key=kept.get))
+        return tokens[len(outputs):]
+
+    def probability(self, outputs: tuple[int, ...]) -> float:
+        p = 1.0
+        for i, token in enumerate(outputs):
+            p *= self.kept(outputs[:i]).get(token, 0.0)
+        return p
+
+
+def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> float:
+    """Pearson's test of the observed continuations against their exact probabilities (cells expecting fewer than 5
+    pooled into one; a continuation outside `expected` alone fails it)."""
+    import torch
+
+    n = sum(counts.values())
+    assert set(counts) <= set(expected), set(counts) - set(expected)
+    cells, pooled = [], [0, 0.0]
+    for seq, p in expected.items():
+        observed, want = counts.get(seq, 0), n * p
+        if want < 5:
+            pooled[0] += observed
+            pooled[1] += want
+        else:
+            cells.append((observed, want))
+    if pooled[1] > 0:
+        cells.append(tuple(pooled))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    dof = torch.tensor((len(cells) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True),
+                                    SamplingParams(temperature=0.6, top_k=3, top_p=0.8, max_tokens=4, ignore_eos=True)],
+                         ids=["top-k", "top-k-top-p"])
+def test_sampled_tokens_follow_the_distribution_of_one_token_steps(tiny_model_dir, hf_tiny, params):
+    """An unseeded sampled decode verifies proposals (here transformers' greedy tokens, which the model often keeps)
+    and its four tokens follow the exact joint distribution of one-token steps, computed with transformers: 1,024
+    samples against it by Pearson's test. Keeping a proposal whenever it is allowed, or taking the pick of the wrong
+    row, fails it."""
+    prompt = repeating_prompts(1, seed=13)[0]
+    exact = TopCandidates(hf_tiny, prompt, params)
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=512, num_speculative_tokens=3, seed=5)
+    scheduler = llm.engine.scheduler
+    scheduler.gate.choose = lambda running: True
+    scheduler._draft = lambda seq, budget: exact.greedy(tuple(seq.output_token_ids),
+                                                         min(3, budget, seq.max_tokens - seq.num_output_tokens - 1))
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(16):
+        for out in llm.generate([{"prompt_token_ids": prompt}] * 64, params, use_tqdm=False):
+            tokens = tuple(out.outputs[0].token_ids)
+            counts[tokens] = counts.get(tokens, 0) + 1
+    engine = llm.engine
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens  # proposals were made, some held, some not
+    expected = {tokens: exact.probability(tokens) for tokens in _continuations(exact, (), 4)}
+    assert abs(sum(expected.values()) - 1) < 1e-9
+    assert chi_square_p_value(counts, expected) > 1e-3
+    assert engine.block_manager.num_free_blocks == 512
+
+
+def _continuations(exact: TopCandidates, outputs: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    if n == 0:
+        return [()]
+    return [(t, *rest) for t in exact.kept(outputs) for rest in _continuations(exact, (*outputs, t), n - 1)
+            if exact.kept(outputs)[t] > 0]
