@@ -11,12 +11,13 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagedllm.bench.client import run_async, run_benchmark
 from pagedllm.bench.plots import plot_sweep, plot_timelines, timeline_path
 from pagedllm.bench.results import write_json
+from pagedllm.bench.sampling_flags import add_sampling_args, sampling_overrides
 from pagedllm.bench.serve import add_workload_args, context, sample_workload
 from pagedllm.bench.server_process import ServerProcess, engine_actions, fetch_model_card, passthrough_argv
 from pagedllm.bench.summary import rate_json, summarize
@@ -33,6 +34,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--request-rates", default="0.5,1,2,4", help="comma-separated requests per second")
     sw.add_argument("--kv-policies", default="paged", help="comma-separated values of the server's --kv-policy")
     add_workload_args(sw)
+    add_sampling_args(sw)
     sw.add_argument("--latency-threshold", type=float, default=None,
                     help="normalized latency (s/token) a sustainable rate stays under "
                          "(default: --threshold-factor x paged's latency at the lowest rate)")
@@ -52,9 +54,11 @@ def run_sweep(requests: Sequence[Any], rates: Sequence[float], policies: Sequenc
               *, arrivals: Callable[[int, float], list[float]], pass_policy: bool = True,
               max_concurrency: int | None = None, log_dir: str | None = None, server_timeout: float = 600.0,
               sample_interval: float = 0.5, env: dict[str, str] | None = None,
-              progress: bool | None = None, port: int | None = None) -> dict[str, Any]:
+              progress: bool | None = None, port: int | None = None,
+              sampling: Mapping[str, float | int] | None = None) -> dict[str, Any]:
     """For each policy: launch `pagedllm serve SERVER_ARGV --kv-policy P`, run the same requests at every rate (in
-    the order given, arrivals from `arrivals(num, rate)`), stop the server. Every run's summary is one point."""
+    the order given, arrivals from `arrivals(num, rate)`), stop the server. Every run's summary is one point.
+    `sampling`: request fields every request carries (temperature, top_p, top_k; default greedy)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="pagedllm-sweep-")
     os.makedirs(log_dir, exist_ok=True)
     points = []
@@ -67,13 +71,14 @@ def run_sweep(requests: Sequence[Any], rates: Sequence[float], policies: Sequenc
             for rate in rates:
                 run = run_async(run_benchmark(server.url, model, requests, arrivals(len(requests), rate),
                                                 max_concurrency=max_concurrency, sample_interval=sample_interval,
-                                                progress=progress))
+                                                progress=progress, sampling=sampling))
                 point = {"kv_policy": policy, **summarize(run, rate)}
                 points.append(point)
                 print(f"[{policy}] rate {rate}: " + ", ".join(f"{k} {point[k]}" for k in SUMMARY_KEYS),
                       file=sys.stderr)
     return {"policies": list(policies), "request_rates": [rate_json(r) for r in rates],
-            "server_argv": list(server_argv), "server_port": port, "server_log_dir": log_dir, "points": points}
+            "sampling": dict(sampling or {}), "server_argv": list(server_argv), "server_port": port,
+            "server_log_dir": log_dir, "points": points}
 
 
 def max_sustainable_rates(points: Sequence[dict[str, Any]], policies: Sequence[str],
@@ -120,7 +125,7 @@ def cmd_sweep(args: argparse.Namespace, actions: Sequence[argparse.Action]) -> i
                            arrivals=functools.partial(poisson_arrivals, seed=args.seed), pass_policy=pass_policy,
                            max_concurrency=args.max_concurrency, log_dir=args.server_log_dir,
                            server_timeout=args.server_timeout, sample_interval=args.metrics_interval,
-                           port=args.port)
+                           port=args.port, sampling=sampling_overrides(args))
     except RuntimeError as e:  # a server that would not start: its log says why
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -192,10 +192,12 @@ def test_sweep_command_launches_a_server_per_policy(tiny_model_dir: str, tmp_pat
     port = free_port()
     assert main(["bench", "sweep", "--request-rates", "4,inf", "--kv-policies", "paged", "--dataset", "random",
                  "--port", str(port), "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
-                 "--metrics-interval", "0.2",
+                 "--metrics-interval", "0.2", "--temperature", "0.8",
                  "--server-log-dir", str(tmp_path), "--output-json", str(out), "--plot", str(png), *engine]) == 0
     result = json.loads(out.read_text())
     assert result["policies"] == ["paged"] and result["request_rates"] == [4.0, "inf"]
+    assert result["sampling"] == {"temperature": 0.8}  # every request sampled; the server was given no such flag
+    assert "--temperature" not in result["server_argv"]
     passed = result["server_argv"][:len(engine)]  # every engine flag given (all take a value here), passed through
     assert dict(zip(passed[::2], passed[1::2])) == dict(zip(engine[::2], engine[1::2]))
     assert [(p["kv_policy"], p["request_rate"]) for p in result["points"]] == [("paged", 4.0), ("paged", "inf")]
