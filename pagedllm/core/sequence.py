@@ -72,12 +72,12 @@ class Sequence:
     @property
     def may_speculate(self) -> bool:
         """Nothing that reads the distribution per token, so verifying proposals cannot change the output (several
-        samples, logprobs, penalties, min_tokens bans and grammars keep one token a step). An unseeded sampled row
-        keeps a proposed token when its own draw picks it: a draw equals the token with its probability, and differs
-        as the rest of the distribution would have it, which is rejection sampling for a fixed proposal. A seeded row
-        keeps one token a step, so that its seed gives the same tokens whatever the batch."""
+        samples, logprobs, penalties, min_tokens bans and grammars keep one token a step). A sampled row keeps a
+        proposed token when its own draw picks it: a draw equals the token with its probability, and differs as the
+        rest of the distribution would have it, which is rejection sampling for a fixed proposal. A seeded row draws
+        each position from its own stream (ModelRunner.row_generators), so its tokens are those of one-token steps."""
         p = self.params
-        return ((p.greedy or p.seed is None) and p.n == 1 and p.logprobs is None and p.structured_outputs is None
+        return (p.n == 1 and p.logprobs is None and p.structured_outputs is None
                 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and self.num_output_tokens >= max(1, p.min_tokens))
 

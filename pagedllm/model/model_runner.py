@@ -26,7 +26,7 @@ from pagedllm.model.loader.peft import LoRAAdapter, LoRALoadError, load_peft_ada
 from pagedllm.model.lora import AdapterStore, LoRABatch, LoRAStack
 from pagedllm.model.prefault import KVPrefault
 from pagedllm.model.registry import CausalLM, model_class
-from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top
+from pagedllm.model.sampler import GrammarMask, SamplerOutput, SamplingBatch, sample, sample_greedy_from_top, seed_at
 from pagedllm.model.step_budget import StepBudget
 from pagedllm.model.threads import ThreadGovernor, start_threads
 from pagedllm.model.timing import NO_TIMER, PartTimer
@@ -124,7 +124,7 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype), torch.empty(shape, dtype=self.kv_dtype))
                           for _ in range(c.num_hidden_layers)]
         self.prefault = KVPrefault([t for pair in self.kv_caches for t in pair])  # mapped in the background
-        self.generators: dict[Hashable, torch.Generator] = {}
+        self.seeds: dict[Hashable, int] = {}  # seeded sequences' seeds (seed + index of the sample)
         self.timer: PartTimer = NO_TIMER
         self.governor: ThreadGovernor | None = None  # the thread count follows the CPUs others leave us
         if model.lora is not None:
@@ -302,7 +302,7 @@ class ModelRunner:
         with timer.part("sampling"):
             batch = SamplingBatch.build(
                 [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                [self.generators.get(s.seq_id) for s in seqs], self.model.config.vocab_size,
+                self.row_generators(seqs), self.model.config.vocab_size,
                 eos_token_ids=self.eos_token_ids, grammar=grammar)
         return self.sample_tokens(hidden[logit_rows], batch, grammar)
 
@@ -349,18 +349,31 @@ class ModelRunner:
             v_cache.index_copy_(0, index, blocks[:, layer, 1])
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
-        """Build each seeded sequence's generator when its request arrives, seeded `seed + index` for the index-th of
-        n samples (its samples do not depend on its batch-mates, and the n samples differ): a seed torch refuses
-        is that request's error, never a step's."""
+        """Keep each seeded sequence's seed when its request arrives, `seed + index` for the index-th of n samples
+        (so the n samples differ): a seed torch refuses is that request's error, never a step's."""
         for seq in seqs:
             if seq.params.seed is None:
                 continue
             try:
-                self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed + seq.index)
+                torch.Generator().manual_seed(seq.params.seed + seq.index)
             except (ValueError, RuntimeError, OverflowError) as e:
                 for s in seqs:
                     self.release(s.seq_id)
                 raise InvalidRequestError(f"seed {seq.params.seed} is out of range: {e}") from None
+            self.seeds[seq.seq_id] = seq.params.seed + seq.index
+
+    def row_generators(self, rows: list[Sequence]) -> list[torch.Generator | None]:
+        """Each seeded row's generator, seeded by its sequence's seed and the output position it samples (a draft's
+        rows sample the positions after): a seeded token's draw depends on nothing else, so neither its batch-mates
+        nor drafts nor preemption change a seeded request's tokens."""
+        generators, previous, offset = [], None, 0
+        for seq in rows:
+            offset = offset + 1 if seq is previous else 0
+            previous = seq
+            seed = self.seeds.get(seq.seq_id)
+            generators.append(None if seed is None else
+                              torch.Generator().manual_seed(seed_at(seed, seq.num_output_tokens + offset)))
+        return generators
 
     def release(self, seq_id: Hashable) -> None:
-        self.generators.pop(seq_id, None)
+        self.seeds.pop(seq_id, None)

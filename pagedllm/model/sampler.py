@@ -254,6 +254,15 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rng: torch.Genera
     return probs.div_(q).argmax(dim=-1)
 
 
+def seed_at(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw at an output position: splitmix64 of (seed, position), so that every
+    (seed, position) pair gets its own well-mixed stream (torch's CPU generator keeps only the low 32 bits)."""
+    z = ((seed % 2**64) * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
+
+
 def _uniforms(batch: SamplingBatch, rng: torch.Generator | None, shape: tuple[int, ...]) -> torch.Tensor:
     """Uniforms in [0, 1) with one row per sampling row: seeded rows from their own generators, the rest from rng."""
     u = torch.empty(shape, dtype=torch.float32)

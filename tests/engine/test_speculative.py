@@ -5,6 +5,7 @@ every block comes back; it stays off where it must."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
@@ -127,7 +128,7 @@ def test_greedy_tokens_match_transformers_with_speculation(tiny_model_dir, refer
 
 def test_stops_and_lengths_are_those_of_one_token_steps(tiny_model_dir):
     """max_tokens, stop strings and EOS end a sequence inside a step's accepted tokens exactly where one-token steps
-    end it; sampled requests beside them keep their seeded draws (their rows move, their generators do not)."""
+    end it; a seeded sampled request beside them gets the same tokens with drafts as without."""
     prompts = repeating_prompts(6, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (1, 2, 5, 13)]
     params += [SamplingParams(temperature=0, max_tokens=40, stop=["a", " the"]),
@@ -152,8 +153,7 @@ def test_off_when_many_run_or_requests_wait_or_sampling_needs_each_step(tiny_mod
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens == 0  # six ran together until all finished at once
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, **SPECULATE_ALWAYS)
-    for params in (SamplingParams(temperature=0.8, seed=1, max_tokens=MAX_TOKENS),
-                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2),
+    for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2),
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2),
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2)):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -235,14 +235,16 @@ def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[
     return float(torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True),
-                                    SamplingParams(temperature=0.6, top_k=3, top_p=0.8, max_tokens=4, ignore_eos=True)],
-                         ids=["top-k", "top-k-top-p"])
-def test_sampled_tokens_follow_the_distribution_of_one_token_steps(tiny_model_dir, hf_tiny, params):
-    """An unseeded sampled decode verifies proposals (here transformers' greedy tokens, which the model often keeps)
-    and its four tokens follow the exact joint distribution of one-token steps, computed with transformers: 1,024
-    samples against it by Pearson's test. Keeping a proposal whenever it is allowed, or taking the pick of the wrong
-    row, fails it."""
+@pytest.mark.parametrize("params, seeded", [
+    (SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True), False),
+    (SamplingParams(temperature=0.6, top_k=3, top_p=0.8, max_tokens=4, ignore_eos=True), False),
+    (SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True), True),
+], ids=["top-k", "top-k-top-p", "seeded"])
+def test_sampled_tokens_follow_the_distribution_of_one_token_steps(tiny_model_dir, hf_tiny, params, seeded):
+    """A sampled decode verifies proposals (here transformers' greedy tokens, which the model often keeps) and its
+    four tokens follow the exact joint distribution of one-token steps, computed with transformers: 1,024 samples
+    (seeded: seeds 0-1023, each drawing its positions from its own stream) against it by Pearson's test. Keeping a
+    proposal whenever it is allowed, or taking the pick of the wrong row, fails it."""
     prompt = repeating_prompts(1, seed=13)[0]
     exact = TopCandidates(hf_tiny, prompt, params)
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=512, num_speculative_tokens=3, seed=5)
@@ -251,8 +253,9 @@ def test_sampled_tokens_follow_the_distribution_of_one_token_steps(tiny_model_di
     scheduler._draft = lambda seq, budget: exact.greedy(tuple(seq.output_token_ids),
                                                          min(3, budget, seq.max_tokens - seq.num_output_tokens - 1))
     counts: dict[tuple[int, ...], int] = {}
-    for _ in range(16):
-        for out in llm.generate([{"prompt_token_ids": prompt}] * 64, params, use_tqdm=False):
+    for batch in range(16):
+        batch_params = [replace(params, seed=64 * batch + i) for i in range(64)] if seeded else params
+        for out in llm.generate([{"prompt_token_ids": prompt}] * 64, batch_params, use_tqdm=False):
             tokens = tuple(out.outputs[0].token_ids)
             counts[tokens] = counts.get(tokens, 0) + 1
     engine = llm.engine
@@ -268,3 +271,31 @@ def _continuations(exact: TopCandidates, outputs: tuple[int, ...], n: int) -> li
         return [()]
     return [(t, *rest) for t in exact.kept(outputs) for rest in _continuations(exact, (*outputs, t), n - 1)
             if exact.kept(outputs)[t] > 0]
+
+
+def test_a_seeded_request_gets_the_tokens_of_one_token_steps_whatever_the_drafts(tiny_model_dir, hf_tiny):
+    """A seeded row draws each output position from a stream of its own, so verifying proposals (transformers'
+    greedy tokens, often kept) gives a seeded request exactly the tokens it gets without them, in a batch or alone,
+    and so does preemption."""
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=12, ignore_eos=True, seed=seed) for seed in range(24)]
+    prompt = repeating_prompts(1, seed=13)[0]
+    exact = TopCandidates(hf_tiny, prompt, params[0])
+    runs, engines = [], []
+    for k, engine_args in [(0, {}), (3, {}), (3, dict(num_blocks=40, block_size=4, max_num_batched_tokens=64))]:
+        llm = LLM(tiny_model_dir, dtype="float32", **{"num_blocks": 512, **engine_args}, num_speculative_tokens=k)
+        scheduler = llm.engine.scheduler
+        scheduler.gate.choose = lambda running: True
+        scheduler._draft = lambda seq, budget: exact.greedy(
+            tuple(seq.output_token_ids), min(3, budget, seq.max_tokens - seq.num_output_tokens - 1))
+        outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+        runs.append([out.outputs[0].token_ids for out in outs])
+        engines.append(llm.engine)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.pool.num_blocks
+    plain, drafted, preempted = engines
+    assert plain.num_draft_tokens == 0 and 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens
+    assert preempted.scheduler.num_preemptions > 0
+    assert runs[0] == runs[1] == runs[2]
+    assert len({tuple(tokens) for tokens in runs[0]}) > 12  # the seeds drew different continuations
+    alone = LLM(tiny_model_dir, dtype="float32", num_blocks=512, num_speculative_tokens=0)
+    assert alone.generate([{"prompt_token_ids": prompt}], params[5], use_tqdm=False)[0].outputs[0].token_ids \
+        == runs[0][5]

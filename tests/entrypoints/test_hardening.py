@@ -228,7 +228,7 @@ def test_seed_out_of_range_fails_at_add_request(tiny_model_dir: str) -> None:
     params.seed = 2**64 - 1  # past validation: the generator of sample 1 (seed + 1) cannot be made
     with pytest.raises(InvalidRequestError, match="seed"):
         engine.add_request("r", "hello", params)
-    assert not engine.has_unfinished_requests() and not engine.runner.generators
+    assert not engine.has_unfinished_requests() and not engine.runner.seeds
 
 
 # ---- the event loop's bounds and slow clients ------------------------------------------------------------------
