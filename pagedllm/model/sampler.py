@@ -62,7 +62,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # float32 [S, V]: occurrences in the output (all three penalties)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf by min_tokens
     max_banned_per_row: int
-    generators: dict[int, torch.Generator]  # row -> the request's generator, for seeded non-greedy rows
+    generators: dict[int, torch.Generator]  # row -> its generator (a seeded request's, at the row's position)
     num_logprobs: int | None  # K = most top logprobs any row asked for; None if nobody asked
     grammar: GrammarMask | None = None  # structured outputs: -inf on the tokens their grammar forbids
 
