@@ -56,3 +56,10 @@ class SchedulerOutput:
     def sampling_rows(self) -> list[Sequence]:
         """The sequence of each of the sampler's rows: one per sampler, and one more per proposed token."""
         return [seq for s in self.scheduled for seq in s.samplers for _ in range(1 + len(s.draft))]
+
+    @property
+    def sampling_outputs(self) -> list[list[int]]:
+        """The output tokens before each of the sampler's rows: a draft's rows follow its proposed tokens, as the
+        one-token steps they stand for would (penalties, min_tokens bans and seeded draws read them)."""
+        return [seq.output_token_ids + s.draft[:i] if i else seq.output_token_ids
+                for s in self.scheduled for seq in s.samplers for i in range(1 + len(s.draft))]

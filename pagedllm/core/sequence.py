@@ -71,15 +71,13 @@ class Sequence:
 
     @property
     def may_speculate(self) -> bool:
-        """Nothing that reads the distribution per token, so verifying proposals cannot change the output (several
-        samples, logprobs, penalties, min_tokens bans and grammars keep one token a step). A sampled row keeps a
-        proposed token when its own draw picks it: a draw equals the token with its probability, and differs as the
-        rest of the distribution would have it, which is rejection sampling for a fixed proposal. A seeded row draws
-        each position from its own stream (ModelRunner.row_generators), so its tokens are those of one-token steps."""
-        p = self.params
-        return (p.n == 1 and p.logprobs is None and p.structured_outputs is None
-                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and self.num_output_tokens >= max(1, p.min_tokens))
+        """A decode past its first token without a grammar (a grammar's state would have to follow the proposals).
+        Each of a draft's rows sees the outputs before it (SchedulerOutput.sampling_outputs: penalties, min_tokens
+        bans, seeded draws) and reports its own logprobs, so a greedy row's tokens are those of one-token steps. A
+        sampled row keeps a proposed token when its own draw picks it: a draw equals the token with its probability,
+        and differs as the rest of the distribution would have it, which is rejection sampling for a fixed proposal.
+        A seeded row draws each position from its own stream (ModelRunner.row_generators)."""
+        return self.params.structured_outputs is None and self.num_output_tokens >= 1
 
     def fork_from(self, parent: Sequence) -> None:
         """Take the parent's tokens and progress: the sample starts where the shared prefill ended."""

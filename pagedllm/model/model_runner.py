@@ -298,11 +298,11 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         if len(logit_rows) == 0:
             return None
-        seqs = plan.sampling_rows
+        seqs, outputs = plan.sampling_rows, plan.sampling_outputs
         with timer.part("sampling"):
             batch = SamplingBatch.build(
-                [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                self.row_generators(seqs), self.model.config.vocab_size,
+                [s.params for s in seqs], [s.prompt_token_ids for s in seqs], outputs,
+                self.row_generators(seqs, outputs), self.model.config.vocab_size,
                 eos_token_ids=self.eos_token_ids, grammar=grammar)
         return self.sample_tokens(hidden[logit_rows], batch, grammar)
 
@@ -362,18 +362,13 @@ class ModelRunner:
                 raise InvalidRequestError(f"seed {seq.params.seed} is out of range: {e}") from None
             self.seeds[seq.seq_id] = seq.params.seed + seq.index
 
-    def row_generators(self, rows: list[Sequence]) -> list[torch.Generator | None]:
-        """Each seeded row's generator, seeded by its sequence's seed and the output position it samples (a draft's
-        rows sample the positions after): a seeded token's draw depends on nothing else, so neither its batch-mates
-        nor drafts nor preemption change a seeded request's tokens."""
-        generators, previous, offset = [], None, 0
-        for seq in rows:
-            offset = offset + 1 if seq is previous else 0
-            previous = seq
-            seed = self.seeds.get(seq.seq_id)
-            generators.append(None if seed is None else
-                              torch.Generator().manual_seed(seed_at(seed, seq.num_output_tokens + offset)))
-        return generators
+    def row_generators(self, rows: list[Sequence], outputs: list[list[int]]) -> list[torch.Generator | None]:
+        """Each seeded row's generator, seeded by its sequence's seed and the output position it samples (the number
+        of outputs before it): a seeded token's draw depends on nothing else, so neither its batch-mates nor drafts
+        nor preemption change a seeded request's tokens."""
+        seeds = [self.seeds.get(seq.seq_id) for seq in rows]
+        return [None if seed is None else torch.Generator().manual_seed(seed_at(seed, len(before)))
+                for seed, before in zip(seeds, outputs, strict=True)]
 
     def release(self, seq_id: Hashable) -> None:
         self.seeds.pop(seq_id, None)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.core.ngram import MAX_WINDOW, NgramIndex
 from pagedllm.core.sequence import Sequence
 from pagedllm.core.speculation_gate import MIN_PAIRS
@@ -146,17 +146,16 @@ def test_stops_and_lengths_are_those_of_one_token_steps(tiny_model_dir):
                                                                           a.stop_reason)
 
 
-def test_off_when_many_run_or_requests_wait_or_sampling_needs_each_step(tiny_model_dir):
+def test_off_when_many_run_or_requests_wait_or_a_grammar_decides(tiny_model_dir):
     prompts = repeating_prompts(6, seed=5)
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=4,
               speculative_disable_by_batch_size=5)
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens == 0  # six ran together until all finished at once
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, **SPECULATE_ALWAYS)
-    for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2),
-                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2),
-                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2)):
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    grammar = StructuredOutputsParams(regex="[a-z ]{5,40}")
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=grammar), use_tqdm=False)
     assert llm.engine.num_draft_tokens == 0
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens > 0
@@ -299,3 +298,45 @@ def test_a_seeded_request_gets_the_tokens_of_one_token_steps_whatever_the_drafts
     alone = LLM(tiny_model_dir, dtype="float32", num_blocks=512, num_speculative_tokens=0)
     assert alone.generate([{"prompt_token_ids": prompt}], params[5], use_tqdm=False)[0].outputs[0].token_ids \
         == runs[0][5]
+
+
+def test_rows_that_read_the_outputs_get_the_tokens_and_logprobs_of_one_token_steps(tiny_model_dir, hf_tiny):
+    """Logprobs, penalties, min_tokens bans and parallel samples verify proposals too: each of a draft's rows sees the
+    outputs before it, proposed tokens included, and reports its own logprobs. With transformers' greedy tokens as
+    proposals (often kept), every request gets exactly the tokens, and the logprobs, it gets in one-token steps."""
+    prompt = repeating_prompts(1, seed=13)[0]
+    exact = TopCandidates(hf_tiny, prompt, SamplingParams(temperature=1.0, top_k=3))
+    # A stop token that greedy steps pick at position j >= 6 and not before: min_tokens 6 bans it on the rows before
+    # position 6 only, so a draft row at 6 or 7 whose ban counted its sequence's outputs alone would move the stop.
+    tokens = exact.greedy((), 14)
+    j = next(j for j in range(6, 14) if tokens[j] not in tokens[:j])
+    likely = tokens[j]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, presence_penalty=0.6,
+                             frequency_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=14, min_tokens=6, stop_token_ids=[likely]),
+              SamplingParams(temperature=1.0, top_k=3, max_tokens=14, ignore_eos=True, n=3, seed=2, logprobs=1),
+              SamplingParams(temperature=1.0, top_k=3, max_tokens=14, ignore_eos=True, seed=4,
+                             frequency_penalty=0.5)]
+    runs, engines = [], []
+    for k in (0, 3):
+        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=512, num_speculative_tokens=k)
+        scheduler = llm.engine.scheduler
+        scheduler.gate.choose = lambda running: True
+        scheduler._draft = lambda seq, budget: exact.greedy(
+            tuple(seq.output_token_ids), min(3, budget, seq.max_tokens - seq.num_output_tokens - 1))
+        runs.append(llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False))
+        engines.append(llm.engine)
+        assert llm.engine.block_manager.num_free_blocks == 512
+    assert engines[0].num_draft_tokens == 0 and 0 < engines[1].num_accepted_tokens < engines[1].num_draft_tokens
+    for plain, drafted in zip(*runs):
+        assert len(plain.outputs) == len(drafted.outputs)
+        for a, b in zip(plain.outputs, drafted.outputs):
+            assert (b.token_ids, b.finish_reason, b.stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
+            assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert x.keys() == y.keys()
+                assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
+    assert runs[0][3].outputs[0].stop_reason == likely and len(runs[0][3].outputs[0].token_ids) == j + 1
+    assert len({tuple(o.token_ids) for o in runs[0][4].outputs}) == 3
