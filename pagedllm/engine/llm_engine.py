@@ -415,7 +415,7 @@ class LLMEngine:
         emitted, row = [], 0
         picks = sampled.token_ids.tolist() if any(s.draft for s in plan.scheduled) else None
         for s in plan.scheduled:
-            if s.draft and picks is not None:  # one sampler (n == 1), 1 + len(draft) rows
+            if s.draft and picks is not None:  # a decode: one sampler (samples fork at the prompt), 1 + len(draft) rows
                 proposed = len(s.draft)
                 accepted = next((i for i, t in enumerate(s.draft) if t != picks[row + i]), proposed)
                 self.num_draft_tokens += proposed
