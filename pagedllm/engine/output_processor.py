@@ -75,18 +75,29 @@ class OutputProcessor:
         self.grammar_requests.pop(seq_id, None)
 
     def grammar_mask(self, plan: SchedulerOutput) -> GrammarMask | None:
-        """The next tokens each structured-output sequence's grammar allows, for its sampling row, filled on the mask
-        thread while the model runs (the sampler waits for it); None if no sequence of the step has a grammar."""
+        """The next tokens each structured-output sequence's grammar allows, for its sampling rows (a draft's rows
+        after its proposed tokens), filled on the mask thread while the model runs (the sampler waits for it); None if
+        no sequence of the step has a grammar."""
         self.finish_fill()  # a step that failed before sampling may have left one filling
         if not self.matchers:
             return None
-        rows = [(row, seq.seq_id) for row, seq in enumerate(plan.sampling_rows) if seq.seq_id in self.matchers]
+        rows: list[int] = []
+        seq_ids: list[int] = []
+        drafts: list[list[int]] = []
+        row = 0
+        for s in plan.scheduled:
+            for seq in s.samplers:
+                if seq.seq_id in self.matchers:
+                    rows.extend(range(row, row + 1 + len(s.draft)))
+                    seq_ids.append(seq.seq_id)
+                    drafts.append(s.draft)
+                row += 1 + len(s.draft)
         if not rows:
             return None
         costs: list[float] = []
-        future = self.structured.start_fill([self.matchers[seq_id] for _, seq_id in rows], costs)
-        self._filling = PendingFill([self.grammar_requests[seq_id] for _, seq_id in rows], costs, future)
-        return GrammarMask(torch.tensor([row for row, _ in rows], dtype=torch.int64), future)
+        future = self.structured.start_fill([self.matchers[seq_id] for seq_id in seq_ids], costs, drafts)
+        self._filling = PendingFill([self.grammar_requests[seq_id] for seq_id in seq_ids], costs, future)
+        return GrammarMask(torch.tensor(rows, dtype=torch.int64), future)
 
     def finish_fill(self) -> None:
         """Wait for the step's mask (its matchers move next), charge each request its rows' CPU time and note those

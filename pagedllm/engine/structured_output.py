@@ -236,21 +236,47 @@ class StructuredOutputManager:
         check_mask_cost(compiled.mask_s, n)
         return [compiled.matcher.deep_copy() for _ in range(n)]
 
-    def fill_bitmask(self, matchers: list[llg.LLMatcher], costs: list[float] | None = None) -> torch.Tensor:
-        """int32 [len(matchers), ceil(V / 32)]: bit t % 32 of word t // 32 of row i is set when matcher i allows
-        token t next. Row by row, without the GIL: llguidance's parallel executor took time from the model's threads
-        after each fill (14x the involuntary context switches; docs/scripts/mask_costs.py). `costs` gets each row's
-        CPU seconds (this thread's, so a loaded machine does not inflate them)."""
-        bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
-        row_bytes, ptr = self.bitmask_words * 4, bitmask.data_ptr()
-        for i, matcher in enumerate(matchers):
+    def fill_bitmask(self, matchers: list[llg.LLMatcher], costs: list[float] | None = None,
+                     drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """int32 [rows, ceil(V / 32)]: bit t % 32 of word t // 32 of a row is set when its matcher allows token t
+        next; a row per matcher, then with `drafts` one more per proposed token (the mask after it). Row by row,
+        without the GIL: llguidance's parallel executor took time from the model's threads after each fill (14x the
+        involuntary context switches; docs/scripts/mask_costs.py). `costs` gets each matcher's first row's CPU
+        seconds (this thread's, so a loaded machine does not inflate them): a draft's rows are not charged to its
+        request, whose steps it shortens (the speculation gate sees their time)."""
+        drafts = drafts or [[] for _ in matchers]
+        bitmask = torch.empty((len(matchers) + sum(map(len, drafts)), self.bitmask_words), dtype=torch.int32)
+        row = 0
+        for matcher, draft in zip(matchers, drafts, strict=True):
             start = time.thread_time()
-            matcher.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
+            self._fill_row(matcher, bitmask, row)
             if costs is not None:
                 costs.append(time.thread_time() - start)
+            row = self._fill_draft_rows(matcher, draft, bitmask, row + 1)
         return bitmask
 
-    def start_fill(self, matchers: list[llg.LLMatcher], costs: list[float]) -> Future[torch.Tensor]:
+    def _fill_row(self, matcher: llg.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+        row_bytes = self.bitmask_words * 4
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+
+    def _fill_draft_rows(self, matcher: llg.LLMatcher, draft: list[int], bitmask: torch.Tensor, row: int) -> int:
+        """The masks after each proposed token the grammar allows, from `row` on; the matcher goes back to where it
+        was. A row past a refused token repeats the last mask: the pick before it cannot be the refused token, so
+        those rows are never kept. Returns the next free row."""
+        allowed = matcher.validate_tokens(draft) if draft else 0
+        for token in draft[:allowed]:
+            matcher.consume_token(token)
+            self._fill_row(matcher, bitmask, row)
+            row += 1
+        if allowed:
+            matcher.rollback(allowed)
+        for _ in range(len(draft) - allowed):
+            bitmask[row] = bitmask[row - 1]
+            row += 1
+        return row
+
+    def start_fill(self, matchers: list[llg.LLMatcher], costs: list[float],
+                   drafts: list[list[int]] | None = None) -> Future[torch.Tensor]:
         """fill_bitmask on the mask thread, so that the model's forward runs meanwhile; the matchers must not move
         (consume a token) until the future is done."""
         with self._lock:
@@ -258,7 +284,7 @@ class StructuredOutputManager:
                 self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
                 weakref.finalize(self, self._filler.shutdown, wait=False)
             filler = self._filler
-        return filler.submit(self.fill_bitmask, matchers, costs)
+        return filler.submit(self.fill_bitmask, matchers, costs, drafts)
 
 
 def mask_seconds(matcher: llg.LLMatcher) -> float:

@@ -62,10 +62,10 @@ def test_the_mask_fills_while_the_forward_runs(engine, monkeypatch):
         forward_started.set()
         return real_forward(*args, **kwargs)
 
-    def fill(matchers, costs=None):
+    def fill(matchers, costs=None, drafts=None):
         seen["overlapped"] = forward_started.wait(timeout=30)
         seen["thread"] = threading.current_thread()
-        return real_fill(matchers, costs)
+        return real_fill(matchers, costs, drafts)
 
     monkeypatch.setattr(engine.runner.model, "forward", forward)
     monkeypatch.setattr(engine.structured, "fill_bitmask", fill)

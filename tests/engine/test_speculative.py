@@ -5,6 +5,7 @@ every block comes back; it stays off where it must."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -146,17 +147,13 @@ def test_stops_and_lengths_are_those_of_one_token_steps(tiny_model_dir):
                                                                           a.stop_reason)
 
 
-def test_off_when_many_run_or_requests_wait_or_a_grammar_decides(tiny_model_dir):
+def test_off_when_more_run_than_the_limit(tiny_model_dir):
     prompts = repeating_prompts(6, seed=5)
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=4,
               speculative_disable_by_batch_size=5)
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens == 0  # six ran together until all finished at once
     llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, **SPECULATE_ALWAYS)
-    grammar = StructuredOutputsParams(regex="[a-z ]{5,40}")
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=grammar), use_tqdm=False)
-    assert llm.engine.num_draft_tokens == 0
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert llm.engine.num_draft_tokens > 0
 
@@ -340,3 +337,41 @@ def test_rows_that_read_the_outputs_get_the_tokens_and_logprobs_of_one_token_ste
                 assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
     assert runs[0][3].outputs[0].stop_reason == likely and len(runs[0][3].outputs[0].token_ids) == j + 1
     assert len({tuple(o.token_ids) for o in runs[0][4].outputs}) == 3
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24),
+    SamplingParams(temperature=1.0, top_k=5, max_tokens=24, seed=3),
+], ids=["greedy", "seeded"])
+def test_under_a_grammar_each_of_a_drafts_rows_gets_the_mask_after_the_proposals(tiny_model_dir, params):
+    """Proposals that are the tokens one-token steps gave (kept), with every third one a token the grammar refuses
+    (never kept: the row before it masks it, and the rows after repeat that mask), leave every request the tokens
+    it gets without drafts, within its grammar."""
+    regex = "[a-z ]{5,40}"
+    grammar = replace(params, structured_outputs=StructuredOutputsParams(regex=regex))
+    prompts = repeating_prompts(4, seed=21)
+    reference = [o.outputs[0] for o in LLM(tiny_model_dir, dtype="float32", num_blocks=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], grammar, use_tqdm=False)]
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=256, num_speculative_tokens=3)
+    refused = llm.get_tokenizer().encode("7", add_special_tokens=False)[0]
+    scheduler = llm.engine.scheduler
+    scheduler.gate.choose = lambda running: True
+
+    def propose(seq, budget):
+        start, room = seq.num_output_tokens, min(3, budget, seq.max_tokens - seq.num_output_tokens - 1)
+        tokens = reference[int(seq.request_id)].token_ids[start:start + room]
+        return [refused if (start + i) % 3 == 2 else t for i, t in enumerate(tokens)]
+
+    scheduler._draft = propose
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, grammar)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    for i, ref in enumerate(reference):
+        out = outputs[str(i)]
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+        assert re.fullmatch(regex, out.text) or (out.finish_reason == "length" and re.fullmatch("[a-z ]*", out.text))
+    assert engine.block_manager.num_free_blocks == 256
