@@ -24,9 +24,10 @@ ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
         "Copy the following text and put each sentence on its own line:\n\n{}",
         "Fix any mistakes in the following text and return the whole text:\n\n{}"]
 
-tokenizer = LLM(num_blocks=16).get_tokenizer()
-with open("edit_requests.jsonl", "w") as f:
-    for ask, paragraph in zip(ASKS, PARAGRAPHS):
-        messages = [{"role": "user", "content": ask.format(paragraph)}]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        f.write(json.dumps({"prompt_token_ids": ids, "output_len": 160}) + "\n")
+if __name__ == "__main__":
+    tokenizer = LLM(num_blocks=16).get_tokenizer()
+    with open("edit_requests.jsonl", "w") as f:
+        for ask, paragraph in zip(ASKS, PARAGRAPHS):
+            messages = [{"role": "user", "content": ask.format(paragraph)}]
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            f.write(json.dumps({"prompt_token_ids": ids, "output_len": 160}) + "\n")
