@@ -74,10 +74,9 @@ class Sequence:
         """A decode past its first token. Each of a draft's rows sees the outputs before it, the proposed tokens
         included (SchedulerOutput.sampling_outputs: penalties, min_tokens bans, seeded draws; and its grammar's mask,
         OutputProcessor.grammar_mask), and reports its own logprobs, so a greedy row's tokens are those of one-token
-        steps. A
-        sampled row keeps a proposed token when its own draw picks it: a draw equals the token with its probability,
-        and differs as the rest of the distribution would have it, which is rejection sampling for a fixed proposal.
-        A seeded row draws each position from its own stream (ModelRunner.row_generators)."""
+        steps. A sampled row keeps a proposed token when its own draw picks it: a draw equals the token with its
+        probability, and differs as the rest of the distribution would have it, which is rejection sampling for a
+        fixed proposal. A seeded row draws each position from its own stream (ModelRunner.row_generators)."""
         return self.num_output_tokens >= 1
 
     def fork_from(self, parent: Sequence) -> None:

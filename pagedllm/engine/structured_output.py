@@ -262,8 +262,10 @@ class StructuredOutputManager:
     def _fill_draft_rows(self, matcher: llg.LLMatcher, draft: list[int], bitmask: torch.Tensor, row: int) -> int:
         """The masks after each proposed token the grammar allows, from `row` on; the matcher goes back to where it
         was. A row past a refused token repeats the last mask: the pick before it cannot be the refused token, so
-        those rows are never kept. Returns the next free row."""
-        allowed = matcher.validate_tokens(draft) if draft else 0
+        those rows are never kept. Returns the next free row. (An id past the vocabulary would put the matcher in
+        error: checking stops before it.)"""
+        known = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))
+        allowed = matcher.validate_tokens(draft[:known]) if known else 0
         for token in draft[:allowed]:
             matcher.consume_token(token)
             self._fill_row(matcher, bitmask, row)

@@ -138,3 +138,27 @@ def test_samples_whose_mask_is_over_the_budget_from_the_start_are_refused(engine
     check_mask_cost(row_s, 2)  # 80% of the limit: accepted
     with pytest.raises(InvalidRequestError, match="3 samples"):
         check_mask_cost(row_s, 3)
+
+
+def test_a_drafts_rows_get_the_masks_after_its_tokens_and_the_matcher_goes_back(engine):
+    """Row i of a draft is the mask after its first i tokens; rows past a token the grammar refuses, or an id past
+    the vocabulary, repeat the last mask; the matcher ends where it was, not in error."""
+    manager = engine.structured
+    matcher = manager.new_matchers(StructuredOutputsParams(regex="[a-z ]{5,40}"), 1)[0]
+    tokenizer = engine.tokenizer
+    good = tokenizer.encode("hello world", add_special_tokens=False)
+    refused = tokenizer.encode("7", add_special_tokens=False)[0]
+    before = manager.fill_bitmask([matcher])[0]
+    after = []
+    for i in range(1, len(good) + 1):
+        copy = matcher.deep_copy()
+        assert copy.consume_tokens(good[:i])
+        after.append(manager.fill_bitmask([copy])[0])
+    rows = manager.fill_bitmask([matcher], drafts=[[*good, refused, good[0]]])
+    assert rows.shape[0] == len(good) + 3 and torch.equal(rows[0], before)
+    for i, mask in enumerate(after):
+        assert torch.equal(rows[1 + i], mask)
+    assert torch.equal(rows[-1], after[-1]) and torch.equal(rows[-2], after[-1])
+    rows = manager.fill_bitmask([matcher], drafts=[[good[0], engine.model_config.vocab_size + 5, good[1]]])
+    assert torch.equal(rows[1], after[0]) and torch.equal(rows[2], after[0]) and torch.equal(rows[3], after[0])
+    assert not matcher.is_error() and torch.equal(manager.fill_bitmask([matcher])[0], before)
