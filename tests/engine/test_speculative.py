@@ -9,6 +9,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 from test_engine import MAX_TOKENS, assert_matches_reference, greedy, hf_greedy, mixed_prompts
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
@@ -183,8 +184,6 @@ class TopCandidates:
 
     def kept(self, outputs: tuple[int, ...]) -> dict[int, float]:
         if outputs not in self.cache:
-            import torch
-
             with torch.no_grad():
                 logits = self.model(torch.tensor([self.prompt + list(outputs)])).logits[0, -1].double()
             values, ids = (logits / self.params.temperature).topk(3)
@@ -212,8 +211,6 @@ class TopCandidates:
 def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> float:
     """Pearson's test of the observed continuations against their exact probabilities (cells expecting fewer than 5
     pooled into one; a continuation outside `expected` alone fails it)."""
-    import torch
-
     n = sum(counts.values())
     assert set(counts) <= set(expected), set(counts) - set(expected)
     cells, pooled = [], [0, 0.0]
