@@ -123,9 +123,10 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """The tokens proposed after `seq`'s last one, within its lookup's window (or the gate's floor for this batch
-        size, if more), the budget, its max_tokens and the model's length."""
+        size, if more), the budget, its max_tokens, the model's length and what its grammar's mask budget allows."""
         earned = max(seq.lookup.window, self._proposal_floor)
-        room = min(self.num_speculative_tokens, earned, budget, seq.max_tokens - seq.num_output_tokens - 1,
+        most = self.num_speculative_tokens if seq.max_draft is None else min(self.num_speculative_tokens, seq.max_draft)
+        room = min(most, earned, budget, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         return seq.lookup.propose(seq.token_ids, room) if room > 0 else []
 

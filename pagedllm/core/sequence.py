@@ -43,6 +43,7 @@ class Sequence:
     lora_int_id: int = 0  # the LoRA adapter it runs with (0: the base model)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # the block manager's key, unique per process
     lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # for speculative decoding's proposals
+    max_draft: int | None = None  # the proposals its grammar's mask budget leaves room for in a step (None: no cap)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

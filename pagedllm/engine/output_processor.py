@@ -33,9 +33,10 @@ Emitted = list[tuple[Sequence, int, int]]  # (sequence, its first sampled row, t
 
 @dataclass
 class PendingFill:
-    """A step's grammar mask on the mask thread: each row's request, and each row's CPU seconds once filled."""
+    """A step's grammar mask on the mask thread: each constrained sequence, and the CPU seconds of its first row once
+    filled."""
 
-    request_ids: list[str]
+    seqs: list[Sequence]
     costs: list[float]
     future: Future[torch.Tensor]
 
@@ -82,32 +83,34 @@ class OutputProcessor:
         if not self.matchers:
             return None
         rows: list[int] = []
-        seq_ids: list[int] = []
+        seqs: list[Sequence] = []
         drafts: list[list[int]] = []
         row = 0
         for s in plan.scheduled:
             for seq in s.samplers:
                 if seq.seq_id in self.matchers:
                     rows.extend(range(row, row + 1 + len(s.draft)))
-                    seq_ids.append(seq.seq_id)
+                    seqs.append(seq)
                     drafts.append(s.draft)
                 row += 1 + len(s.draft)
         if not rows:
             return None
         costs: list[float] = []
-        future = self.structured.start_fill([self.matchers[seq_id] for seq_id in seq_ids], costs, drafts)
-        self._filling = PendingFill([self.grammar_requests[seq_id] for seq_id in seq_ids], costs, future)
+        future = self.structured.start_fill([self.matchers[seq.seq_id] for seq in seqs], costs, drafts)
+        self._filling = PendingFill(seqs, costs, future)
         return GrammarMask(torch.tensor(rows, dtype=torch.int64), future)
 
     def finish_fill(self) -> None:
-        """Wait for the step's mask (its matchers move next), charge each request its rows' CPU time and note those
-        now over the mask budget."""
+        """Wait for the step's mask (its matchers move next), charge each request its first rows' CPU time, note those
+        now over the mask budget, and cap each sequence's next proposals to what its budget leaves room for."""
         filling, self._filling = self._filling, None
         if filling is None or filling.future.exception() is not None:  # a failed fill failed its step already
             return
         costs: dict[str, float] = {}
-        for request_id, seconds in zip(filling.request_ids, filling.costs):
-            costs[request_id] = costs.get(request_id, 0.0) + seconds
+        for seq, seconds in zip(filling.seqs, filling.costs):
+            costs[seq.request_id] = costs.get(seq.request_id, 0.0) + seconds
+        for seq in filling.seqs:
+            seq.max_draft = self.mask_budget.draft_room(costs[seq.request_id])
         if len(self.mask_budget) > 2 * len(self.grammar_requests) + 64:
             self.mask_budget.keep_only(set(self.grammar_requests.values()))
         self._over_budget.update(self.mask_budget.charge(costs))

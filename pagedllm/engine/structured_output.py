@@ -242,8 +242,8 @@ class StructuredOutputManager:
         next; a row per matcher, then with `drafts` one more per proposed token (the mask after it). Row by row,
         without the GIL: llguidance's parallel executor took time from the model's threads after each fill (14x the
         involuntary context switches; docs/scripts/mask_costs.py). `costs` gets each matcher's first row's CPU
-        seconds (this thread's, so a loaded machine does not inflate them): a draft's rows are not charged to its
-        request, whose steps it shortens (the speculation gate sees their time)."""
+        seconds (this thread's, so a loaded machine does not inflate them): a draft's rows cost about as much, and
+        the sequence's next proposals are capped so that all its rows fit the budget (MaskBudget.draft_room)."""
         drafts = drafts or [[] for _ in matchers]
         bitmask = torch.empty((len(matchers) + sum(map(len, drafts)), self.bitmask_words), dtype=torch.int32)
         row = 0
@@ -312,6 +312,9 @@ class GrammarBrokenError(RuntimeError):
     """A grammar that compiled could not be followed while generating."""
 
 
+MAX_DRAFT_ROOM = 1 << 10  # no cap in practice: a step proposes at most --num-speculative-tokens
+
+
 class MaskBudget:
     """What each request's grammar masks cost the steps, in CPU time (all its samples' rows), over its last `steps`
     steps: a request whose average is over the limit fails, so that one request's grammar cannot slow every step
@@ -321,6 +324,11 @@ class MaskBudget:
         self.limit_s = limit_ms / 1e3
         self.steps = steps
         self._recent: dict[str, deque[float]] = {}  # request id -> its last steps' mask seconds
+
+    def draft_room(self, seconds: float) -> int:
+        """Proposed tokens a request whose rows cost `seconds` together this step may add to each of its samples and
+        keep its mask within the limit (a draft's rows are masked like its first: rows x cost <= limit)."""
+        return max(0, int(self.limit_s / seconds) - 1) if seconds > 0 else MAX_DRAFT_ROOM
 
     def charge(self, costs: dict[str, float]) -> dict[str, GrammarBrokenError]:
         """Add one step's mask seconds per request; the requests now over the limit, with why."""

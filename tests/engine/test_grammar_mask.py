@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.core.sequence import Sequence
 from pagedllm.engine.grammar_limits import MASK_BUDGET_STEPS, MAX_MASK_MS_PER_STEP, check_mask_cost
-from pagedllm.engine.structured_output import GrammarBrokenError, MaskBudget
+from pagedllm.engine.output_processor import PendingFill
+from pagedllm.engine.structured_output import MAX_DRAFT_ROOM, GrammarBrokenError, MaskBudget
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.sampler import GrammarMask
+from pagedllm.outputs import RequestMetrics
 
 DATE = r"\d{4}-\d{2}-\d{2}"
 
@@ -162,3 +165,23 @@ def test_a_drafts_rows_get_the_masks_after_its_tokens_and_the_matcher_goes_back(
     rows = manager.fill_bitmask([matcher], drafts=[[good[0], engine.model_config.vocab_size + 5, good[1]]])
     assert torch.equal(rows[1], after[0]) and torch.equal(rows[2], after[0]) and torch.equal(rows[3], after[0])
     assert not matcher.is_error() and torch.equal(manager.fill_bitmask([matcher])[0], before)
+
+
+def test_a_requests_mask_budget_caps_its_samples_next_proposals(engine):
+    """After each fill, a constrained sequence may propose as many tokens as keep its request's rows (first rows'
+    cost x (1 + proposals)) within the mask budget; a cheap grammar is not capped."""
+    processor = engine.output_processor
+
+    def seq(request_id: str) -> Sequence:
+        return Sequence(request_id, None, [5, 6], SamplingParams(max_tokens=50), RequestMetrics(0.0), max_tokens=50)
+
+    heavy, heavy_too, light = seq("heavy"), seq("heavy"), seq("light")
+    future: Future[torch.Tensor] = Future()
+    future.set_result(torch.zeros((3, 1), dtype=torch.int32))
+    limit = processor.mask_budget.limit_s
+    processor._filling = PendingFill([heavy, heavy_too, light], [0.25 * limit, 0.25 * limit, 0.125 * limit], future)
+    processor.finish_fill()
+    assert heavy.max_draft == heavy_too.max_draft == 1  # two samples at a quarter of the limit: 2 x (1 + 1) rows
+    assert light.max_draft == 7
+    assert processor.mask_budget.draft_room(0.0) == MAX_DRAFT_ROOM
+    assert not processor._over_budget

@@ -104,6 +104,10 @@ def test_a_sequence_proposes_up_to_the_larger_of_its_window_and_the_floor(tiny_m
     assert proposed == [1, 3, 2, 2, 4, 4]  # never past num_speculative_tokens
     scheduler._proposal_floor = 4
     assert len(scheduler._draft(seq, budget=2)) == 2  # nor the step's budget
+    seq.max_draft = 1  # nor what its grammar's mask budget leaves room for
+    assert len(scheduler._draft(seq, budget=100)) == 1
+    seq.max_draft = 0
+    assert scheduler._draft(seq, budget=100) == []
 
 
 @pytest.mark.parametrize("engine_args", [
