@@ -1,5 +1,5 @@
-"""The benchmarks' sampling flags (`bench throughput`, `bench serve`): every request sampled as they say, else each
-command's default (greedy, or temperature 1 for parallel samples)."""
+"""The benchmarks' sampling flags (`bench throughput`, `bench serve`, `bench sweep`): every request sampled as they
+say, else each command's default (greedy, or temperature 1 for parallel samples)."""
 
 from __future__ import annotations
 
