@@ -227,8 +227,8 @@ def finish(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dic
     return 0
 
 
-TABLE_PARTS = {"schedule": "sched", "prepare": "prep", "linear": "linear", "rotary": "rotary",
-               "kv_write": "kv write", "attention": "attn", "norm": "norm", "activation": "act",
+TABLE_PARTS = {"schedule": "sched", "prepare": "prep", "linear": "linear", "rotary_kv": "rope+kv",
+               "attention": "attn", "norm": "norm", "activation": "act",
                "forward_rest": "fwd rest", "logits": "logits", "sampling": "sample", "detokenize": "detok",
                "output": "output", "other": "other"}
 

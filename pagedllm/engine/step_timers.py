@@ -6,12 +6,13 @@ from __future__ import annotations
 from pagedllm.model.timing import PartTimer
 
 # The parts of a decode step, in the order a step runs them; "other" is the step's wall time minus their sum.
-PARTS = ("schedule", "prepare", "linear", "rotary", "kv_write", "attention", "norm", "activation", "forward_rest",
+PARTS = ("schedule", "prepare", "linear", "rotary_kv", "attention", "norm", "activation", "forward_rest",
          "logits", "sampling", "detokenize", "output")
 PART_HELP = {
     "schedule": "scheduler.schedule + commit, KV usage", "prepare": "model_runner.prepare (batch tensors)",
-    "linear": "the decoder layers' matmuls (layers.linear)", "rotary": "model.rotary", "kv_write": "write_kv",
-    "attention": "paged_attention", "norm": "add_rms_norm", "activation": "swiglu",
+    "linear": "the decoder layers' matmuls (layers.linear)",
+    "rotary_kv": "attention.rotate_and_store: q and k rotated, k and v into the cache",
+    "attention": "StepAttention (paged attention)", "norm": "add_rms_norm", "activation": "swiglu",
     "forward_rest": "the rest of model.forward (embedding, views, the layer loop)",
     "logits": "model.compute_logits / top_logits (lm_head)",
     "sampling": "SamplingBatch.build + sample (or greedy's pick from the top logits)",

@@ -392,9 +392,8 @@ def load(key: dict[str, str]) -> AttentionTable | None:
 def measurable(shape: AttentionShape) -> bool:
     """Whether the C++ kernel runs this shape here (else the reference attention does, and nothing is chosen)."""
     row = kv_record_len(shape.head_dim) if shape.kv_dtype == torch.uint8 else shape.head_dim
-    q = torch.empty(0, shape.heads, shape.head_dim, dtype=shape.dtype)
     cache = torch.empty(1, shape.block_size, shape.kv_heads, row, dtype=shape.kv_dtype)
-    return kernels.load() is not None and not unsupported_reason(q, cache)
+    return kernels.load() is not None and not unsupported_reason(shape.dtype, shape.head_dim, cache)
 
 
 def tune(shape: AttentionShape, refresh: bool = False,

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, min_queries: int) -> bool:
+def applies(dtype: torch.dtype, k_cache: torch.Tensor, max_query_len: int, min_queries: int) -> bool:
     """Whether a step's call takes this path: bf16 queries over a bf16 cache, a chunk of at least `min_queries`."""
-    return (0 < min_queries <= max_query_len and q.dtype == torch.bfloat16
+    return (0 < min_queries <= max_query_len and dtype == torch.bfloat16
             and k_cache.dtype == torch.bfloat16)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model import kernels
-from pagedllm.model.attention import STATIC_ROUTE, AttentionRoute, paged_attention, write_kv
+from pagedllm.model.attention import STATIC_ROUTE, AttentionRoute, StepAttention, rotate_and_store
 from pagedllm.model.layers import (
     Bf16Weight,
     Int4Weight,
@@ -60,9 +60,8 @@ class ForwardOps:
     """The functions a forward calls, held per model, so that a timer (bench latency) hands it timed ones."""
 
     linear: Callable[..., torch.Tensor]
-    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    write_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
+    rotary_kv: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]
     swiglu: Callable[..., torch.Tensor]
 
@@ -159,8 +158,8 @@ class LlamaModel:
     def set_timer(self, timer: PartTimer) -> None:
         """Run the forward's kernels as `timer`'s parts; NO_TIMER gives the plain functions back."""
         t = timer.timed
-        self.ops = ForwardOps(t("linear", linear), t("rotary", self.rotary), t("kv_write", write_kv),
-                              t("attention", paged_attention), t("norm", add_rms_norm), t("activation", swiglu))
+        self.ops = ForwardOps(t("linear", linear), t("rotary_kv", rotate_and_store),
+                              t("attention", StepAttention.__call__), t("norm", add_rms_norm), t("activation", swiglu))
 
     def _layer(self, w: Consumed, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
@@ -279,9 +278,12 @@ class LlamaModel:
         eps, ext, ops = self.config.rms_norm_eps, self.ext, self.ops
         residual = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         delta = None  # what the previous sublayer adds to it
+        attention = StepAttention.build(self.dtype, self.config.head_dim, kv_caches[0][0], meta.block_tables,
+                                        meta.context_lens, meta.query_start_loc, self.scale, meta.max_query_len,
+                                        self.attention_backend, self.attention_route)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = ops.add_rms_norm(delta, residual, layer.input_norm, eps, ext)
-            delta = self._attention(i, layer, x, positions, meta, k_cache, v_cache, lora)
+            delta = self._attention(i, layer, x, positions, meta, attention, k_cache, v_cache, lora)
             x = ops.add_rms_norm(delta, residual, layer.post_norm, eps, ext)
             h = ops.swiglu(self._linear(x, layer.gate_up_weight, None, i, "gate_up", lora), ext)
             delta = self._linear(h, layer.down_weight, None, i, "down", lora)
@@ -296,19 +298,13 @@ class LlamaModel:
         return self.lora.add_delta(out, x, layer, kind, lora)
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, attention: StepAttention, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    lora: LoRABatch | None) -> torch.Tensor:
         c, ops = self.config, self.ops
         qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias, i, "qkv", lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, c.num_attention_heads, c.head_dim)
-        k = k.view(-1, c.num_key_value_heads, c.head_dim)
-        v = v.view(-1, c.num_key_value_heads, c.head_dim)
-        q, k = ops.rotary(positions, q, k, self.ext)
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.ext)
-        o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                            self.scale, meta.max_query_len, backend=self.attention_backend,
-                            route=self.attention_route)
+        q = ops.rotary_kv(qkv, positions, self.rotary, k_cache, v_cache, meta.slot_mapping, c.num_attention_heads,
+                          c.num_key_value_heads, self.ext)
+        o = ops.attention(attention, q, k_cache, v_cache)
         return self._linear(o.reshape(-1, self.q_size), layer.o_weight, None, i, "o", lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

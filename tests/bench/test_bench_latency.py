@@ -114,14 +114,14 @@ def test_step_timers_replace_nothing_and_turn_off(tiny_model_dir):
     they run, every part of a decode step is counted, and nothing is timed once the block is left."""
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_blocks=64))
     model = engine.runner.model
-    names = (llama.linear, llama.paged_attention, model_runner.sample, model_runner.SamplingBatch,
-             IncrementalDetokenizer.step, model.rotary)
+    names = (llama.linear, llama.StepAttention.__call__, model_runner.sample, model_runner.SamplingBatch,
+             IncrementalDetokenizer.step, llama.rotate_and_store)
     methods = (vars(engine).keys(), vars(engine.scheduler).keys(), vars(model).keys())
     before = tuple(set(m) for m in methods)
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0))
     with engine.step_timers() as timers:
-        assert (llama.linear, llama.paged_attention, model_runner.sample, model_runner.SamplingBatch,
-                IncrementalDetokenizer.step, model.rotary) == names
+        assert (llama.linear, llama.StepAttention.__call__, model_runner.sample, model_runner.SamplingBatch,
+                IncrementalDetokenizer.step, llama.rotate_and_store) == names
         assert tuple(set(m) for m in methods) == before
         while engine.has_unfinished_requests():
             engine.step()

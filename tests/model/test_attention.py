@@ -21,8 +21,10 @@ from pagedllm.model.attention import (
     kv_record_len,
     paged_attention,
     quantize_kv,
+    rotate_and_store,
     write_kv,
 )
+from pagedllm.model.layers import RotaryEmbedding
 
 # (context_len, new tokens) per sequence: decodes, whole prompts, chunks after a cached prefix, contexts and
 # prefixes on block boundaries (16, 32, 48, 64), a context of one token, and chunks long enough for several
@@ -168,6 +170,31 @@ def test_write_kv_casts_to_the_cache_dtype() -> None:
     k = torch.randn(2, 1, 16)
     write_kv(k, k, k_cache, v_cache, torch.tensor([5, 0], dtype=torch.int32))
     assert torch.equal(k_cache[1, 1], k[0].bfloat16()) and torch.equal(v_cache[0, 0], k[1].bfloat16())
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.uint8)],
+                         ids=["fp32", "bf16", "fp32-into-bf16", "bf16-into-int8"])
+def test_rotate_and_store_in_one_call_equals_its_steps(cpp: None, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """The kernels' one call gives the q and the caches of rotary then write_kv on the same kernels, bit for bit; q is
+    a view of the projection, whose v part stays as it was; other slots are not touched."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, tokens, ext = 6, 2, 64, 7, kernels.load()
+    rotary = RotaryEmbedding(d, 512, 10000.0, None, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions, slots = torch.randint(0, 512, (tokens,), generator=g), torch.randperm(40, generator=g)[:tokens]
+    row = kv_record_len(d) if kv_dtype == torch.uint8 else d
+    k_cache, v_cache, expected_k, expected_v = (torch.zeros(10, 4, kv_heads, row, dtype=kv_dtype) for _ in range(4))
+    stepped = qkv.clone()
+    q, k, v = stepped.view(tokens, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    expected_q, k = rotary(positions, q, k, ext)
+    write_kv(k, v, expected_k, expected_v, slots, ext)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    out = rotate_and_store(qkv, positions, rotary, k_cache, v_cache, slots, heads, kv_heads, ext)
+    assert out.shape == (tokens, heads, d) and out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(out, expected_q) and torch.equal(qkv, stepped) and torch.equal(qkv[:, -kv_heads * d:], v_before)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert k_cache.flatten(0, 1).count_nonzero(dim=(1, 2)).count_nonzero() == tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -31,7 +31,7 @@ def test_flash_attention_chunks_equal_the_reference_in_a_mixed_batch(heads: tupl
     """MIXED holds prompts whose chunk is their whole context (16 of 16) and chunks after cached keys (37 of 100,
     130 of 230), beside decodes: each group of `min_queries` or more on flash attention, the rest on the kernel."""
     b = make_batch(MIXED, *heads, 64, block_size, torch.bfloat16)
-    assert attention_sdpa.applies(b.q, b.k_cache, b.max_query_len, min_queries)
+    assert attention_sdpa.applies(b.q.dtype, b.k_cache, b.max_query_len, min_queries)
     out = run(b, min_queries)
     assert out.dtype == torch.bfloat16 and out.shape == b.q.shape
     assert_close(out, b.run("reference"))
@@ -51,11 +51,11 @@ def test_rows_outside_the_sequences_come_back_zero() -> None:
 
 def test_only_bf16_chunks_of_the_routes_size_take_it() -> None:
     bf16 = make_batch([(200, 200)], 6, 2, 64, 16, torch.bfloat16)
-    assert attention_sdpa.applies(bf16.q, bf16.k_cache, 200, 200)
-    assert not attention_sdpa.applies(bf16.q, bf16.k_cache, 199, 200)  # no chunk that long in this step
-    assert not attention_sdpa.applies(bf16.q, bf16.k_cache, 200, 0)  # the route never takes it
+    assert attention_sdpa.applies(bf16.q.dtype, bf16.k_cache, 200, 200)
+    assert not attention_sdpa.applies(bf16.q.dtype, bf16.k_cache, 199, 200)  # no chunk that long in this step
+    assert not attention_sdpa.applies(bf16.q.dtype, bf16.k_cache, 200, 0)  # the route never takes it
     fp32 = make_batch([(200, 200)], 6, 2, 64, 16)
-    assert not attention_sdpa.applies(fp32.q, fp32.k_cache, 200, 1)  # fp32 stays on the exact kernel
+    assert not attention_sdpa.applies(fp32.q.dtype, fp32.k_cache, 200, 1)  # fp32 stays on the exact kernel
     int8 = make_batch([(200, 200)], 6, 2, 64, 16, torch.bfloat16, kv_int8=True)
-    assert not attention_sdpa.applies(int8.q, int8.k_cache, 200, 1)  # int8 records: the kernel reads them
+    assert not attention_sdpa.applies(int8.q.dtype, int8.k_cache, 200, 1)  # int8 records: the kernel reads them
     assert_close(run(int8, 1), int8.run("reference"))

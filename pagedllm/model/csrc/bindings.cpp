@@ -14,6 +14,9 @@ at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor& residual
                         double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
+at::Tensor rotary_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t q_heads,
+                           int64_t kv_heads);
 std::vector<at::Tensor> top_k_logsumexp(const at::Tensor& logits, int64_t k);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins);
@@ -62,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (if given), then RMSNorm(residual) * weight", nogil);
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused [gate | up] projection", nogil);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half convention", nogil);
+  m.def("rotary_write_kv", &rotary_write_kv, "A fused qkv projection's q and k heads rotated in place, k and v stored "
+        "at their cache slots; returns q, a view of qkv", nogil);
   m.def("top_k_logsumexp", &top_k_logsumexp, "Each row's k largest logits (values, ids) and its logsumexp", nogil);
   m.def("exact_logits", &exact_logits, "fp32 logits [S, k] of the token ids [S, k]: hidden [S, D] . weight[ids]",
         nogil);
