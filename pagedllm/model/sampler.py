@@ -6,7 +6,7 @@ rows is the draw of per-request seeded generators, so a seeded request's tokens 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
@@ -85,23 +85,26 @@ class SamplingBatch:
         are banned, whether or not it ignores EOS.
         """
         vocab = vocab_size
-        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        greedy_rows = [p.greedy for p in params]
+        greedy = torch.tensor(greedy_rows, dtype=torch.bool)
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-
-        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
-        top_k_on = top_k < vocab
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-        use_rep, use_freq_pres = bool((rep != 1.0).any()), bool(((freq != 0.0) | (pres != 0.0)).any())
+        # each knob's [S] tensor only where a row sets it: deciding from the params costs no tensor (a greedy batch
+        # built eight tensors and six reductions it never read, ~0.1 ms a step, AMD EPYC Zen 4)
+        top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        top_k_on = [k < vocab for k in top_ks]
+        top_p = _floats([p.top_p for p in params], lambda x: x < 1.0)
+        min_p = _floats([p.min_p for p in params], lambda x: x > 0.0)
+        rep = _floats([p.repetition_penalty for p in params], lambda x: x != 1.0)
+        freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        freq = _floats([p.frequency_penalty for p in params], lambda _: freq_pres)
+        pres = _floats([p.presence_penalty for p in params], lambda _: freq_pres)
 
         seen_mask = output_counts = None
-        if use_rep or use_freq_pres:
-            penalised = ((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).tolist()
+        if rep is not None or freq_pres:
+            penalised = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                         for p in params]
             output_counts = _token_counts(output_ids, penalised, vocab)
-            if use_rep:
+            if rep is not None:
                 seen_mask = (_token_counts(prompt_ids, penalised, vocab) > 0) | (output_counts > 0)
 
         banned_pairs = [
@@ -119,15 +122,15 @@ class SamplingBatch:
         return cls(
             temperature=temperature,
             greedy=greedy,
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_k=top_k if bool(top_k_on.any()) else None,
-            max_top_k=int(top_k[top_k_on].max()) if bool(top_k_on.any()) else 0,
-            top_p=top_p if bool((top_p < 1.0).any()) else None,
-            min_p=min_p if bool((min_p > 0.0).any()) else None,
-            repetition_penalty=rep if use_rep else None,
-            frequency_penalty=freq if use_freq_pres else None,
-            presence_penalty=pres if use_freq_pres else None,
+            all_greedy=all(greedy_rows),
+            all_random=not any(greedy_rows),
+            top_k=torch.tensor(top_ks) if any(top_k_on) else None,
+            max_top_k=max((k for k, on in zip(top_ks, top_k_on) if on), default=0),
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
             seen_mask=seen_mask,
             output_counts=output_counts,
             banned=banned,
@@ -332,6 +335,11 @@ def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     docs/scripts/mask_costs.py). A row of -inf gives -inf."""
     top = x.amax(dim=-1)
     return torch.where(top == _NEG_INF, top, top - x.softmax(dim=-1).amax(dim=-1).log())
+
+
+def _floats(values: list[float], on: Callable[[float], bool]) -> torch.Tensor | None:
+    """The rows' values as a float32 [S] tensor if any row's value is `on`, else None (the knob is off)."""
+    return torch.tensor(values, dtype=torch.float32) if any(map(on, values)) else None
 
 
 def _token_counts(token_lists: list[list[int]], rows_on: list[bool], vocab_size: int) -> torch.Tensor:
