@@ -159,7 +159,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const 
 
 // A layer's fused projection qkv [T, (QH + 2 KVH) * D] after its matmul: q's and k's heads rotated in place (one
 // rotary pass over both), k and v stored at their cache slots; returns q [T, QH, D], a view of qkv. One call where the
-// Python split, views, two rotary calls and the write cost ~20 us a layer at one row (AMD EPYC Zen 4).
+// Python split and views alone took 10.8 us a layer at one row (AMD EPYC Zen 4).
 at::Tensor rotary_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t q_heads,
                            int64_t kv_heads) {
