@@ -15,7 +15,6 @@ the same kernel over consecutive blocks and SDPA over a dense cache.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -171,15 +170,17 @@ class StepAttention:
         if self.sdpa:
             return attention_sdpa.attend(q, k_cache, v_cache, self.block_tables, self.context_lens,
                                          self.query_start_loc, self.scale, self.route.sdpa_min_queries,
-                                         functools.partial(self._kernel, k_cache=k_cache, v_cache=v_cache))
+                                         lambda q, t, n, s: self._kernel(q, _int32(t), _int32(n), _int32(s), k_cache,
+                                                                         v_cache))
         return self._kernel(q, self.block_tables, self.context_lens, self.query_start_loc, k_cache, v_cache)
 
     def _kernel(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The C++ kernel over int32, contiguous metadata (build's, or the SDPA path's remainder converted)."""
         r = self.route
-        return kernels.load().paged_attention(q, k_cache, v_cache, _int32(tables), _int32(lens), _int32(starts),
-                                              self.scale, self.max_query_len, r.tile_min_rows, r.few_tile_min_rows,
-                                              r.tile_pairs, r.tile_f16)
+        return kernels.load().paged_attention(q, k_cache, v_cache, tables, lens, starts, self.scale,
+                                              self.max_query_len, r.tile_min_rows, r.few_tile_min_rows, r.tile_pairs,
+                                              r.tile_f16)
 
 
 def is_fast_path_available() -> bool:

@@ -96,8 +96,8 @@ class SamplingBatch:
         min_p = _floats([p.min_p for p in params], lambda x: x > 0.0)
         rep = _floats([p.repetition_penalty for p in params], lambda x: x != 1.0)
         freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-        freq = _floats([p.frequency_penalty for p in params], lambda _: freq_pres)
-        pres = _floats([p.presence_penalty for p in params], lambda _: freq_pres)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32) if freq_pres else None
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32) if freq_pres else None
 
         seen_mask = output_counts = None
         if rep is not None or freq_pres:
