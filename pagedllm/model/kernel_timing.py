@@ -14,7 +14,7 @@ from pagedllm.model.layers import PackedWeight
 
 # int8: csrc/int8_gemm.cpp (VNNI or AVX2); int8_mm: oneDNN's; bf16_plain: torch's bf16 matmul where oneDNN has none;
 # int4_f16: the 4-bit weights with fp16 products (AVX512-FP16; fp32 models from `--dtype auto`, and bf16 ones); int4_q8:
-# against int8 activations (AVX512-VNNI and VBMI; fp32 models from `--dtype auto` only)
+# against int8 activations (AVX512-VNNI and VBMI, or AVX2; fp32 models from `--dtype auto` only)
 PATHS = ("int4", "bf16_gemm", "onednn", "int8", "int8_mm", "bf16_plain", "int4_f16", "int4_q8")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # row counts timed; a step takes its nearest one (log scale)
 # The lm_head runs on the sampled rows only, one per sequence (max_num_seqs 256). Its biggest timed row count is 128:

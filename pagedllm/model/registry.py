@@ -49,7 +49,7 @@ class CausalLM(Protocol):
     ext: ModuleType | None  # the C++ kernels; None on the reference path (then top_logits is not called)
     int8: frozenset[str]  # the matmuls that run w8a8 in large steps
     f16: bool  # the 4-bit weights may also run with fp16 products (AVX512-FP16; `--dtype auto`'s fp32, or bf16)
-    q8: bool  # ... or against int8 activations (AVX512-VNNI; `--dtype auto`'s fp32)
+    q8: bool  # ... or against int8 activations (AVX512-VNNI or AVX2; `--dtype auto`'s fp32)
     lora: LoRAStack | None  # the resident LoRA adapters (the runner sets it with enable_lora)
     attention_route: AttentionRoute  # which attention kernel each sequence takes (the runner sets the measured one)
 

@@ -21,9 +21,10 @@ class Int4Weight:
     csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
     the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
     (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long), one with `q8`
-    csrc/int4_linear_q8.cpp (AVX512-VNNI: int8 activations per 32 inputs, each row's 4 largest kept exact, at 4x
-    fp32's multiply-adds per instruction); neither is exact, so only where `--dtype auto` chose fp32 (or the model is
-    bf16: fp16 products only), and where dispatch measures them faster. Both read the fp32 kernel's layout
+    csrc/int4_linear_q8.cpp (int8 activations per 32 inputs, each row's 4 largest kept exact: AVX512-VNNI's
+    vpdpbusd or AVX2's vpmaddubsw, 4x the products of an fp32 FMA per instruction, the same sums); neither is exact,
+    so only where `--dtype auto` chose fp32 (or the model is bf16: fp16 products only), and where dispatch measures
+    them faster. Both read the fp32 kernel's layout
     (`f32_layout`): an fp32 model's own nibbles, a second packing in a bf16 model (until a route leaves one unused:
     `keep`)."""
 
@@ -70,7 +71,7 @@ class Int4Weight:
     def q8_available(cls, dtype: torch.dtype, ext: ModuleType | None, rows: int = F32_TILE) -> bool:
         """int4_linear_q8 runs this model dtype's 4-bit weights of `rows` outputs here (an fp32 model: in bf16 its
         error sits at the accuracy gate's edge, model_runner.int8_activations; a build with AVX512-VNNI and
-        AVX512-VBMI; whole tiles of the fp32 kernel's layout)."""
+        AVX512-VBMI, or AVX2; whole tiles of the fp32 kernel's layout)."""
         return (dtype == torch.float32 and rows % cls.F32_TILE == 0 and ext is not None
                 and ext.int4_linear_q8_supported())
 

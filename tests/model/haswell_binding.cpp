@@ -1,4 +1,5 @@
-// The kernels the AVX2 tests check (paged attention, the fp32 4-bit kernel, the int8 GEMM, the greedy logits pass),
+// The kernels the AVX2 tests check (paged attention, the fp32 4-bit kernel and its int8-activation form, the int8
+// GEMM, the greedy logits pass),
 // bound as one module that haswell_build.py builds for another instruction set: one binding to compile, not four.
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
@@ -10,6 +11,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);
 bool int4_linear_f32_supported();
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& mins);
+bool int4_linear_q8_supported();
 void int8_gemm(const at::Tensor& q, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                const c10::optional<at::Tensor>& col_scale, const c10::optional<at::Tensor>& bias, at::Tensor& out,
                const c10::optional<at::Tensor>& extra_x, const c10::optional<at::Tensor>& extra_w,
@@ -23,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("int4_linear_f32", &int4_linear_f32);
   m.def("int4_linear_f32_supported", &int4_linear_f32_supported);
+  m.def("int4_linear_q8", &int4_linear_q8);
+  m.def("int4_linear_q8_supported", &int4_linear_q8_supported);
   m.def("int8_gemm", &int8_gemm, py::arg("q"), py::arg("packed"), py::arg("row_scale"), py::arg("col_scale"),
         py::arg("bias"), py::arg("out"), py::arg("extra_x") = py::none(), py::arg("extra_w") = py::none(),
         py::arg("extra_rows") = py::none());

@@ -18,7 +18,7 @@ from pagedllm.model import kernels
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 SOURCES = [Path(__file__).parent / "haswell_binding.cpp", CSRC / "paged_attention.cpp", CSRC / "int4_linear_f32.cpp",
-           CSRC / "int8_gemm.cpp", CSRC / "int8_linear.cpp", CSRC / "top_k.cpp"]
+           CSRC / "int4_linear_q8.cpp", CSRC / "int8_gemm.cpp", CSRC / "int8_linear.cpp", CSRC / "top_k.cpp"]
 
 
 def build_for_haswell() -> ModuleType:

@@ -37,7 +37,9 @@ def fake_quantised(x: torch.Tensor, keep: int = KEPT) -> tuple[torch.Tensor, tor
     kept.scatter_(1, idx, x.gather(1, idx))
     rest = (x - kept).view(rows, k // 32, 32)
     amax = rest.abs().amax(dim=2, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax divided, as the kernel does (torch's `127.0 / amax` is 127 * (1 / amax): one more rounding, which
+    # moves a product lying within it of a half step to the other side)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     grid = torch.round(rest * inv) * (amax / 127.0)
     return grid.view(rows, k), kept
 

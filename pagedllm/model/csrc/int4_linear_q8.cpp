@@ -1,6 +1,7 @@
 // x @ W.T for GGUF's 4-bit weights against int8 activations (Q4 x Q8, as llama.cpp's dot products): vpdpbusd does 64
 // multiply-adds where vfmadd231ps does 16, and VNNI is on CPUs without AVX512-FP16 (AMD EPYC Zen 4 and 5, Intel
-// Xeons from Ice Lake). x and the output in fp32 or bf16.
+// Xeons from Ice Lake). Builds without AVX512-VNNI take int4_q8_avx2.h's kernel (vpmaddubsw), whose sums and
+// outputs are this one's. x and the output in fp32 or bf16.
 //
 // Numerics, not fp32's (int4_linear_f32.cpp stays the exact form): each row keeps its kOutliers inputs of largest
 // magnitude exact (a few channels of the hidden state run 10-25x the median); the rest are quantised per group of 32
@@ -41,7 +42,55 @@ constexpr int64_t kQuads = kGroup / 4;        // vpdpbusd's groups of 4 inputs i
 constexpr int64_t kQuadBytes = 2 * 64;        // one half tile's bytes for 4 inputs: 2 vectors of 16 columns
 constexpr int64_t kChunkBytes = 128 << 10;    // int8 activations a pass over a thread's half tiles takes at a time
 
+// One row's kept inputs: their indices and exact values (value 0: none).
+struct Kept {
+  int32_t index[kOutliers];
+  float value[kOutliers];
+};
+
+// The activations of the whole call, quantised once.
+struct Rows {
+  const int8_t* xq;   // [M, K]
+  const float* scale;  // [M, G]
+  const float* qsum;   // [M, G]
+  const Kept* kept;    // [M]
+  const float* down;   // [M]: what the sums are multiplied by (1 but for rows of tiny values)
+};
+
+// Of the n candidates (indices into work), the kOutliers of largest |work| (the first index on ties) into `kept`, and
+// 0 in their place in `work`. The candidates hold every input at least as large as the kOutliers-th largest.
+void take_largest(float* work, int32_t* cand, int64_t n, Kept& kept) {
+  const int64_t found = std::min<int64_t>(n, kOutliers);
+  std::partial_sort(cand, cand + found, cand + n, [work](int32_t a, int32_t b) {
+    const float fa = std::fabs(work[a]), fb = std::fabs(work[b]);
+    return fa > fb || (fa == fb && a < b);
+  });
+  for (int64_t e = 0; e < kOutliers; ++e) {
+    kept.index[e] = e < found ? cand[e] : 0;
+    kept.value[e] = e < found ? work[cand[e]] : 0.0f;
+    if (e < found) work[cand[e]] = 0.0f;
+  }
+}
+
+// What a row is multiplied by: a power of two where its largest magnitude is below 2^-100 (127 / amax would
+// overflow), else 1. Exact both ways: the scaled values are normal, and the kept ones divide back to themselves.
+inline float tiny_row_up(float largest) {
+  int exponent = 0;
+  std::frexp(largest, &exponent);
+  return largest > 0 && largest < 0x1p-100f ? std::ldexp(1.0f, std::min(-exponent, 126)) : 1.0f;
+}
+
+// A row with inf or NaN: NaN scales (its outputs NaN), xq 0, nothing kept.
+inline void quantize_bad_row(int64_t K, int8_t* xq, float* scale, float* qsum, Kept& kept) {
+  const int64_t G = K / kGroup;
+  std::memset(xq, 0, K);
+  std::fill(scale, scale + G, std::nanf(""));
+  std::fill(qsum, qsum + G, 0.0f);
+  for (int e = 0; e < kOutliers; ++e) kept.index[e] = 0, kept.value[e] = 0.0f;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__F16C__)
+#define PAGEDLLM_INT4_Q8 1
 constexpr bool kSupported = true;
 
 #include "lanes16.h"
@@ -82,12 +131,6 @@ void unpack_tile(const uint8_t* packed, const at::Half* sc, const at::Half* mn, 
   }
 }
 
-// One row's kept inputs: their indices and exact values (value 0: none).
-struct Kept {
-  int32_t index[kOutliers];
-  float value[kOutliers];
-};
-
 // The row's kOutliers inputs of largest |x| (the first index on ties) into `kept`, and 0 in their place in `work`.
 // Each of them is at least the kOutliers-th largest of the 16 lanes' maxima (`lanes`), so one pass gathers the few
 // candidates (cand: room for K + 16 indices) and a sort of those picks them.
@@ -105,16 +148,7 @@ void keep_largest(float* work, int64_t K, __m512 lanes, int32_t* cand, Kept& kep
     _mm512_storeu_si512(cand + n, _mm512_maskz_compress_epi32(hit, at));
     n += __builtin_popcount(hit);
   }
-  const int64_t found = std::min<int64_t>(n, kOutliers);
-  std::partial_sort(cand, cand + found, cand + n, [work](int32_t a, int32_t b) {
-    const float fa = std::fabs(work[a]), fb = std::fabs(work[b]);
-    return fa > fb || (fa == fb && a < b);
-  });
-  for (int64_t e = 0; e < kOutliers; ++e) {
-    kept.index[e] = e < found ? cand[e] : 0;
-    kept.value[e] = e < found ? work[cand[e]] : 0.0f;
-    if (e < found) work[cand[e]] = 0.0f;
-  }
+  take_largest(work, cand, n, kept);
 }
 
 // Row x (K inputs) into int8 per group (xq), each group's scale s and s * sum(xq) (scale, qsum), its kOutliers
@@ -131,23 +165,13 @@ void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, 
     bad = _mm512_or_ps(bad, _mm512_sub_ps(v, v));  // 0 for finite values, NaN otherwise
     lanes = _mm512_max_ps(lanes, _mm512_abs_ps(v));
   }
-  const float largest = _mm512_reduce_max_ps(lanes);
-  int exponent = 0;
-  std::frexp(largest, &exponent);
-  // exact both ways: the scaled values are normal, and the kept ones divide back to themselves
-  const float up = largest > 0 && largest < 0x1p-100f ? std::ldexp(1.0f, std::min(-exponent, 126)) : 1.0f;
+  const float up = tiny_row_up(_mm512_reduce_max_ps(lanes));
   for (int64_t k = 0; k < K; k += 16)
     _mm512_storeu_ps(work + k, _mm512_mul_ps(load(x + k, 0xFFFF), _mm512_set1_ps(up)));
   lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(up));
   const int64_t G = K / kGroup;
   down = 1.0f;
-  if (_mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q)) {
-    std::memset(xq, 0, K);
-    std::fill(scale, scale + G, std::nanf(""));
-    std::fill(qsum, qsum + G, 0.0f);
-    for (int e = 0; e < kOutliers; ++e) kept.index[e] = 0, kept.value[e] = 0.0f;
-    return;
-  }
+  if (_mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q)) return quantize_bad_row(K, xq, scale, qsum, kept);
   keep_largest(work, K, lanes, reinterpret_cast<int32_t*>(work + K), kept);
   for (float& v : kept.value) v /= up;
   down = 1.0f / up;
@@ -163,15 +187,6 @@ void quantize_row(const T* x, int64_t K, float* work, int8_t* xq, float* scale, 
     qsum[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
   }
 }
-
-// The activations of the whole call, quantised once.
-struct Rows {
-  const int8_t* xq;   // [M, K]
-  const float* scale;  // [M, G]
-  const float* qsum;   // [M, G]
-  const Kept* kept;    // [M]
-  const float* down;   // [M]: what the sums are multiplied by (1 but for rows of tiny values)
-};
 
 // R rows x V vectors of 16 columns (4: a tile, 2: a half) from the unpacked half tiles `w` and their d and m `dm`:
 // per group, R x V int32 sums over its 32 inputs, then folded into fp32 sums, all in registers (6 rows, 24 int32
@@ -251,6 +266,22 @@ constexpr BlockRows<Out> kBlock[2][kBlockRows + 1] = {  // [halves - 1][rows]
     {nullptr, block_rows<1, 2, Out>, block_rows<2, 2, Out>, block_rows<3, 2, Out>},
     {nullptr, block_rows<1, 4, Out>, block_rows<2, 4, Out>, block_rows<3, 4, Out>}};
 
+// Rows [c0, c1) against the unpacked halves (halves: 1 or 2 of a tile), kBlockRows at a time.
+template <typename Out>
+void run_rows(const uint8_t* w, const float* dm, const Rows& x, int64_t c0, int64_t c1, int64_t halves, int64_t K,
+              Out* out, int64_t N) {
+  for (int64_t r = c0; r < c1; r += kBlockRows)
+    kBlock<Out>[halves - 1][std::min(kBlockRows, c1 - r)](w, dm, x, r, K, out, N);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_INT4_Q8 1
+constexpr bool kSupported = true;
+#include "int4_q8_avx2.h"
+#else
+constexpr bool kSupported = false;
+#endif
+
+#ifdef PAGEDLLM_INT4_Q8
 // out [M, N] = x [M, K] @ W.T, x and out of one dtype T; the weight as int4_linear_q8 checked it.
 template <typename T>
 void multiply(const T* xp, const uint8_t* pk, const at::Half* sc, const at::Half* mn, const int4_args::Dims& dims,
@@ -293,15 +324,12 @@ void multiply(const T* xp, const uint8_t* pk, const at::Half* sc, const at::Half
       for (int64_t i = i0; i < i1;) {
         const int64_t t = i / 2, h0 = i % 2, h1 = std::min<int64_t>(2, h0 + i1 - i);  // halves [h0, h1) of tile t
         unpack_tile(pk + t * tile_bytes, sc + t * G * kTile, mn + t * G * kTile, G, h0, h1, w, dm);
-        for (int64_t r = c0; r < c1; r += kBlockRows)
-          kBlock<T>[h1 - h0 - 1][std::min(kBlockRows, c1 - r)](w, dm, rows, r, K, op + t * kTile + h0 * kHalf, N);
+        run_rows(w, dm, rows, c0, c1, h1 - h0, K, op + t * kTile + h0 * kHalf, N);
         i += h1 - h0;
       }
     }
   });
 }
-#else
-constexpr bool kSupported = false;
 #endif
 
 }  // namespace
@@ -310,13 +338,13 @@ bool int4_linear_q8_supported() { return kSupported; }
 
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins) {
-  TORCH_CHECK(kSupported, "int4_linear_q8 needs AVX512-VNNI and AVX512-VBMI (this build has none)");
+  TORCH_CHECK(kSupported, "int4_linear_q8 needs AVX512-VNNI and AVX512-VBMI, or AVX2 (this build has neither)");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int4_args::Dims dims = int4_args::check(x, bf16 ? at::kBFloat16 : at::kFloat, "float32 or bfloat16", packed,
                                                 {2, kGroup, 16}, "[N/64, K/32, 2, 32, 16]", scales, mins, kTile);
   at::Tensor out = at::empty({dims.M, dims.N}, x.options());
   if (dims.M == 0) return out;
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__F16C__)
+#ifdef PAGEDLLM_INT4_Q8
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
