@@ -18,15 +18,14 @@ INT8_COLUMN_BLOCK = 4096
 class Int4Weight:
     """A GGUF Q4_0 / Q4_1 weight packed once for a C++ int4 kernel, which computes with the file's weights exactly:
     w = q * scale + min per group of 32 inputs, scale and min kept as the fp16 values they were. bf16 models run
-    csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F), whose weights are bit for bit
-    the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
+    csrc/int4_linear.cpp (AVX512-BF16), fp32 ones csrc/int4_linear_f32.cpp (AVX-512F or AVX2), whose weights are bit
+    for bit the loader's fp32 ones; each has its own layout. A weight with `f16` also runs csrc/int4_linear_f16.cpp
     (AVX512-FP16: fp16 products at twice fp32's FMA rate, each lane's fp16 sum 32 inputs long), one with `q8`
     csrc/int4_linear_q8.cpp (int8 activations per 32 inputs, each row's 4 largest kept exact: AVX512-VNNI's
     vpdpbusd or AVX2's vpmaddubsw, 4x the products of an fp32 FMA per instruction, the same sums); neither is exact,
     so only where `--dtype auto` chose fp32 (or the model is bf16: fp16 products only), and where dispatch measures
-    them faster. Both read the fp32 kernel's layout
-    (`f32_layout`): an fp32 model's own nibbles, a second packing in a bf16 model (until a route leaves one unused:
-    `keep`)."""
+    them faster. Both read the fp32 kernel's layout (`f32_layout`): an fp32 model's own nibbles, a second packing in a
+    bf16 model (until a route leaves one unused: `keep`)."""
 
     GROUP = 32
     TILE = 16  # output rows per tile (bf16 kernel)
@@ -115,8 +114,8 @@ class Int4Weight:
     @classmethod
     def available(cls, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype: torch.dtype,
                   ext: ModuleType | None) -> bool:
-        """A kernel runs this dtype's activations here (bf16: AVX512-BF16; fp32: AVX-512F), on whole tiles of output
-        rows and groups of 32 inputs, and scale and min are fp16 values (exactly GGUF's own)."""
+        """A kernel runs this dtype's activations here (bf16: AVX512-BF16; fp32: AVX-512F or AVX2), on whole tiles of
+        output rows and groups of 32 inputs, and scale and min are fp16 values (exactly GGUF's own)."""
         rows, cols = q.shape
         return (cls.kernel_available(dtype, ext) and rows % cls.tile(dtype) == 0 and cols % cls.GROUP == 0
                 and all(torch.equal(a.half().float(), a) for a in (scale, min_)))
