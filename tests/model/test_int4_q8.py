@@ -1,4 +1,4 @@
-"""The 4-bit weights against int8 activations (csrc/int4_linear_q8.cpp, AVX512-VNNI): the product of the weights
+"""The 4-bit weights against int8 activations (csrc/int4_linear_q8.cpp, AVX512-VNNI or AVX2): the product of the weights
 with each row's activations rounded to int8 per group of 32 (its 4 largest kept exact), each row's sums its own, bf16
 rows through the same sums, taken only where `--dtype auto` chose fp32, and a model forced onto it staying as close to
 fp32 as transformers' bf16."""
@@ -24,7 +24,7 @@ KEPT = 4  # inputs each row keeps exact
 def q8_kernel():
     ext = kernels.load()
     if not Int4Weight.q8_available(torch.float32, ext):
-        pytest.skip("no int8-activation 4-bit kernel on this CPU (it needs AVX512-VNNI and AVX512-VBMI)")
+        pytest.skip("no int8-activation 4-bit kernel on this CPU (it needs AVX512-VNNI and AVX512-VBMI, or AVX2)")
     return ext
 
 

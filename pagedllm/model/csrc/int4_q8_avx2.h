@@ -157,7 +157,8 @@ void block_rows(const uint8_t* w, const float* dm, const Rows& x, int64_t r0, in
 #pragma GCC unroll 2
     for (int64_t j = 0; j < kQuads; ++j) {
       __m256i wj[C];
-      for (int c = 0; c < C; ++c) wj[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * V * 64 + 32 * c));
+      for (int c = 0; c < C; ++c)
+        wj[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * V * 64 + 32 * c));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         int32_t quad;
