@@ -188,6 +188,7 @@ at::Tensor truncate_(at::Tensor& logits, const c10::optional<at::Tensor>& top_k,
       const double pr = p ? std::clamp(static_cast<double>(p[r]), 0.0, 1.0) : 1.0;
       float* row = x + r * V;
       t[r] = row_threshold(row, V, kr, pr, scratch, cand);
+      if (t[r] == -INFINITY) continue;  // no top-k and top_p 1 (or a row of -inf): nothing to mask
       for (int64_t i = 0; i < V; ++i) row[i] = row[i] < t[r] ? -INFINITY : row[i];
     }
   });
