@@ -37,7 +37,8 @@ def special_rows(k: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 576), (128, 160), (576, 1536)])
 def test_the_avx2_build_gives_the_int8_grids_product_and_the_vnni_builds_bits(haswell, n, k):
     """Blocks of 3 rows and their remainders over 16 columns at a time, an odd number of tiles (run partly as
-    halves), Q4_0 and Q4_1 scales, bf16 rows as the fp32 rows' output rounded to bf16."""
+    halves), calls of one row (the nibbles read in place), Q4_0 and Q4_1 scales, bf16 rows as the fp32 rows' output
+    rounded to bf16."""
     ext = kernels.load()
     # a second build to compare with: on a CPU without AVX-512 the haswell build is this machine's own
     native = ext is not None and ext is not haswell and ext.int4_linear_q8_supported()
@@ -60,5 +61,8 @@ def test_the_avx2_build_gives_the_int8_grids_product_and_the_vnni_builds_bits(ha
         out = haswell.int4_linear_q8(odd, *layout)
         assert torch.equal(out[0], torch.zeros(n)) and out[1].isnan().all() and out[2].isnan().all()
         assert torch.isfinite(out[3:]).all()
+        for r in range(len(odd)):  # a call of one row reads the nibbles in place: the batch's bits
+            torch.testing.assert_close(haswell.int4_linear_q8(odd[r:r + 1].clone(), *layout), out[r:r + 1], rtol=0,
+                                       atol=0, equal_nan=True)
         if native:
             torch.testing.assert_close(out, ext.int4_linear_q8(odd, *layout), rtol=0, atol=0, equal_nan=True)

@@ -16,7 +16,8 @@
 // Schedule (int4_linear_f16.cpp's): the threads share half tiles of 32 output columns; each half's nibbles are
 // unpacked once per call into bytes in vpdpbusd's order (a per-thread buffer the L1/L2 holds), then blocks of
 // kBlockRows rows run kBlockRows x V int32 sums over one group of 32 inputs at a time, folded into fp32 sums, all in
-// registers; rows pass in chunks whose int8 activations the L2 holds.
+// registers; rows pass in chunks whose int8 activations the L2 holds. On AVX2 a call of one row reads the nibbles in
+// place instead (int4_q8_avx2.h's one_row).
 // Layout: int4_linear_f32.cpp's (Int4Weight.pack_f32).
 
 #include <ATen/core/Tensor.h>
@@ -309,6 +310,16 @@ void multiply(const T* xp, const uint8_t* pk, const at::Half* sc, const at::Half
       quantize_row(xp + r * K, K, work.data(), xq + r * K, scale + r * G, qsum + r * G, kept[r], down[r]);
   });
   const Rows rows{xq, scale, qsum, kept, down};
+#ifdef PAGEDLLM_INT4_Q8_ONE_ROW
+  if (M == 1) {  // the nibbles read in place
+    at::parallel_for(0, 2 * tiles, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        one_row(pk + i / 2 * tile_bytes, sc + i / 2 * G * kTile, mn + i / 2 * G * kTile, rows, K, i % 2,
+                op + i / 2 * kTile + i % 2 * kHalf);
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, 2 * tiles, 1, [&](int64_t i0, int64_t i1) {
     // per thread, reused (a fresh buffer could fault its pages each call): the bytes, then d and m in fp32
     thread_local std::vector<uint8_t> panel;
