@@ -78,33 +78,50 @@ inline void slice_out(__m256i (&acc)[R], int64_t row0, int64_t c, int valid, con
   }
 }
 
-// R rows of x (int8 within +-kInputMax, row stride ldx) against one panel (G groups of 4 inputs), a tile at a time:
-// sums over all of K in registers, then the epilogue for the tile's columns of those rows.
+constexpr int64_t kPrefetchGroups = 4;  // panel_rows' prefetch distance (2-8 within 3% on Zen 3)
+
+// R rows of x (int8 within +-kInputMax, row stride ldx) against one panel (G groups of 4 inputs), TP tiles at a time:
+// sums over all of K in registers, then the epilogue for those tiles' columns of those rows. A tile's 64 bytes of a
+// group lie 256 apart, and a pass over one tile read the panel slower than memory allows: at 1 and 2 rows a pass
+// takes all four tiles (8 and 16 accumulators), so the panel's bytes stream in order; from 3 rows (2 x R
+// accumulators a tile) the first tile's pass prefetches each group kPrefetchGroups ahead, all four tiles' lines
+// (the lm_head, 49,152 x 576, from memory, AMD EPYC Zen 3: 0.61x the time at 1 row, 0.56x at 2, 0.61-0.65x at 3-6,
+// 0.84x at 16, 0.96x at 64; docs/results/side_by_side/2026-12-03/zen3/one_row/lm_head_variants.txt).
 template <int R, typename T, typename W>
 inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
                        const Epilogue<T, W>& e) {
+  constexpr int TP = R <= 2 ? kTiles : 1;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t t = 0; t < kTiles && col0 + t * kTile < e.n; ++t) {
-    const uint8_t* wt = panel + t * 64;
-    __m256i acc[2][R];
+  for (int64_t t0 = 0; t0 < kTiles && col0 + t0 * kTile < e.n; t0 += TP) {
+    __m256i acc[TP][2][R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
+    for (int t = 0; t < TP; ++t)
+      for (int r = 0; r < R; ++r) acc[t][0][r] = acc[t][1][r] = _mm256_setzero_si256();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = wt + g * kTiles * 64;
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+      const uint8_t* wg = panel + (g * kTiles + t0) * 64;
+      if (TP < kTiles && t0 == 0 && g + kPrefetchGroups < G)
+        for (int l = 0; l < kTiles; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(panel + ((g + kPrefetchGroups) * kTiles + l) * 64), _MM_HINT_T0);
+      __m256i xb[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t group;
         std::memcpy(&group, x + r * ldx + 4 * g, sizeof(group));
-        const __m256i xb = _mm256_set1_epi32(group);
-        acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xb), ones));
-        acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xb), ones));
+        xb[r] = _mm256_set1_epi32(group);
       }
+#pragma GCC unroll 4
+      for (int t = 0; t < TP; ++t)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * t + 32 * h));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            acc[t][h][r] = _mm256_add_epi32(acc[t][h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb[r]), ones));
+        }
     }
-    for (int h = 0; h < 2; ++h) {
-      const int64_t c = col0 + t * kTile + h * kSlice;
-      if (c < e.n) slice_out<R>(acc[h], row0, c, static_cast<int>(std::min<int64_t>(kSlice, e.n - c)), e);
-    }
+    for (int t = 0; t < TP; ++t)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t c = col0 + (t0 + t) * kTile + h * kSlice;
+        if (c < e.n) slice_out<R>(acc[t][h], row0, c, static_cast<int>(std::min<int64_t>(kSlice, e.n - c)), e);
+      }
   }
 }
