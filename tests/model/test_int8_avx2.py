@@ -29,7 +29,8 @@ def ext():
 
 
 @pytest.mark.parametrize(("rows", "cols", "inputs"), [
-    (1, 1000, 576), (2, 1000, 576), (3, 130, 576), (5, 1000, 576), (6, 1000, 576), (13, 130, 576), (100, 200, 64), (200, 7, 12), (7, 64, 1536),
+    (1, 1000, 576), (2, 1000, 576), (3, 130, 576), (5, 1000, 576), (6, 1000, 576), (13, 130, 576),
+    (100, 200, 64), (200, 7, 12), (7, 64, 1536),
 ])
 def test_the_avx2_build_gives_the_exact_sums_and_the_same_bits(haswell, ext, rows, cols, inputs):
     q, w = random_int8((rows, inputs), rows + 1, 64), random_int8((cols, inputs), cols + inputs)
