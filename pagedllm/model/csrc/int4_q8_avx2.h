@@ -249,7 +249,7 @@ inline void one_row_kept(const uint8_t* tile, const at::Half* sc, const at::Half
 
 // One row (a call of one row) against half h of a tile's nibbles read in place: each unpacked byte would be read
 // once, so unpack_tile's transposes, stores and loads are work to skip (a decode step's 120 layer matmuls at one row
-// in 0.73x the time on AMD EPYC Zen 3; at 2 and 3 rows this form, the row loop inside, took 1.2x unpack_tile's).
+// in 0.73x the time on AMD EPYC Zen 3; at 2 and 3 rows this form, a row loop inside, took 1.2x the unpacking's).
 // A quad's two 32-byte loads (inputs 4j, 4j + 1, then 4j + 2, 4j + 3, each 16 bytes: column b in byte b's low
 // nibble, 16 + b in its high one) become by a qword permutation and a byte shuffle the two inputs' bytes of a column
 // side by side, and vpmaddubsw sums each pair into that column's int16 lane. Four quads fill a lane to at most 4 x 2

@@ -85,8 +85,8 @@ constexpr int64_t kPrefetchGroups = 4;  // panel_rows' prefetch distance (Zen 3:
 // group lie 256 apart, and a pass over one tile read the panel slower than memory allows: at 1 and 2 rows a pass
 // takes all four tiles (8 and 16 accumulators), so the panel's bytes stream in order; from 3 rows (2 x R
 // accumulators a tile) the first tile's pass prefetches each group kPrefetchGroups ahead, all four tiles' lines
-// (the lm_head, 49,152 x 576, from memory, AMD EPYC Zen 3: 0.61x the time at 1 row, 0.56x at 2, 0.61-0.65x at 3-6,
-// 0.84x at 16, 0.96x at 64; docs/results/side_by_side/2026-12-03/zen3/one_row/lm_head_variants.txt).
+// (the lm_head, 49,152 x 576, from memory, AMD EPYC Zen 3: 0.64x the time at 1 row, 0.57x at 2, 0.63-0.73x at 3-6,
+// 0.86x at 16, 0.96x at 64; docs/results/side_by_side/2026-12-03/zen3/one_row/lm_head_variants.txt).
 template <int R, typename T, typename W>
 inline void panel_rows(const uint8_t* panel, const int8_t* x, int64_t ldx, int64_t G, int64_t row0, int64_t col0,
                        const Epilogue<T, W>& e) {
