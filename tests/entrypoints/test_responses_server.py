@@ -258,6 +258,9 @@ def test_metrics_by_endpoint(client, server):
     ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 900}),
 ])
 def test_a_client_that_leaves_aborts_its_request(server, path, body):
+    """Greedy, so that the random model's answer runs its 900 tokens (~3 s here): sampled, it can end at an early
+    EOS (one of five such answers ended after 306), before the 0.5-s client leaves, and nothing is left to abort."""
+    body = {**body, "temperature": 0}
     key = ("pagedllm:request_success_total", (("finished_reason", "abort"),))
     before = metrics(server).get(key, 0)
     with pytest.raises(httpx.ReadTimeout) if not body.get("stream") else contextlib.nullcontext():
